@@ -1,0 +1,10 @@
+"""vtoken: token-level KV virtualization for paged LLM serving.
+
+The CPU bookkeeping (``vtoken.pool``, ``vtoken.ledger``, ``vtoken.table``) is
+importable without any GPU; kernels live behind ``vtoken.ops``.
+"""
+
+__version__ = "0.1.0"
+
+PAD_SLOT = -1
+"""Slot sentinel meaning "no slot". Every kernel skips it."""
