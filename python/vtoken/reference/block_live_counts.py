@@ -1,0 +1,94 @@
+"""Torch reference of ``block_live_counts``: live tokens per physical block, and F.
+
+Inputs
+    ``slots[T]`` int32 and ``alive[T]`` int8/bool: any set of tokens (usually the
+    device mirror of the token tables). ``num_blocks`` / ``block_size`` describe
+    the cache: slot ``s`` lives in block ``s // block_size``.
+    ``allocated[num_blocks]`` bool/int8 (optional): the blocks the allocator has
+    handed out; ``None`` means every block.
+
+Outputs
+    ``counts[num_blocks]`` int32: ``counts[b]`` = alive tokens whose slot is in
+    block ``b`` (exact). PAD (-1) and out-of-range slots are skipped.
+    ``F`` 0-dim float32 on the input's device: the waste ratio over the
+    allocated blocks, ``1 - sum_{b allocated} counts[b] / (N * block_size)``
+    with ``N`` allocated blocks, evaluated in float64 and rounded once to
+    float32 (so every backend returns the same bits); 0 when ``N == 0``.
+    Live tokens in unallocated blocks are counted but do not enter F.
+
+No backend syncs the host, so F can feed a GPU-side reclamation trigger.
+Content checks (a live token with a slot outside ``[0, num_blocks *
+block_size)`` other than PAD) run when the tensors are on the CPU or under
+``VTOKEN_DEBUG_INVARIANTS=1``, and raise before anything is computed.
+"""
+from __future__ import annotations
+
+import torch
+
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_tensor
+from vtoken.reference.build_slot_lists import ALIVE_DTYPES, _capturing, _check_1d, debug_checks_enabled
+
+ALLOCATED_DTYPES = (torch.bool, torch.int8)
+
+
+def validate_block_live_counts_args(
+    slots, alive, num_blocks, block_size, allocated=None, *, content_checks: bool | None = None,
+) -> None:
+    """Validate ``block_live_counts``'s arguments (typed "expected X, got Y" errors)."""
+    check_tensor("slots", slots, dtype=torch.int32, ndim=1)
+    device = slots.device
+    _check_1d("slots", slots, torch.int32, device)
+    _check_1d("alive", alive, ALIVE_DTYPES, device)
+    if alive.numel() != slots.numel():
+        raise InvalidTypeError(f"alive: expected shape ({slots.numel()},) like slots, got {tuple(alive.shape)}")
+    for arg, v in (("num_blocks", num_blocks), ("block_size", block_size)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise InvalidTypeError(f"{arg}: expected an int, got {type(v).__name__}")
+    if num_blocks < 0:
+        raise InvalidArgumentError(f"num_blocks: expected >= 0, got {num_blocks}")
+    if block_size < 1:
+        raise InvalidArgumentError(f"block_size: expected >= 1, got {block_size}")
+    if num_blocks * block_size > 2**31:
+        raise InvalidArgumentError(
+            f"num_blocks * block_size: expected <= 2**31 (int32 slots), got {num_blocks * block_size}"
+        )
+    if allocated is not None:
+        _check_1d("allocated", allocated, ALLOCATED_DTYPES, device)
+        if allocated.numel() != num_blocks:
+            raise InvalidTypeError(f"allocated: expected shape ({num_blocks},), got {tuple(allocated.shape)}")
+    if content_checks is None:
+        content_checks = device.type == "cpu" or debug_checks_enabled()
+    if content_checks and not _capturing(device):
+        s = slots[alive.to(torch.bool)].to("cpu", torch.int64)
+        bad = (s != -1) & ((s < 0) | (s >= num_blocks * block_size))
+        if bool(bad.any()):
+            raise InvalidArgumentError(
+                f"slots: expected alive slots in [0, num_blocks * block_size = {num_blocks * block_size}) or PAD, "
+                f"got {int(s[bad][0])}"
+            )
+
+
+def waste_ratio(live_in_allocated: torch.Tensor, num_allocated: torch.Tensor, block_size: int) -> torch.Tensor:
+    """F as a 0-dim float32: ``1 - live / (N * S)`` in float64, 0 when N == 0."""
+    denom = (num_allocated.to(torch.int64) * block_size).to(torch.float64)
+    f = 1.0 - live_in_allocated.to(torch.float64) / denom.clamp(min=1.0)
+    return torch.where(num_allocated > 0, f, torch.zeros_like(f)).to(torch.float32)
+
+
+def block_live_counts(
+    slots, alive, num_blocks: int, block_size: int, allocated=None, *, content_checks: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(counts[num_blocks] int32, F 0-dim float32)`` (see module docstring)."""
+    validate_block_live_counts_args(slots, alive, num_blocks, block_size, allocated, content_checks=content_checks)
+    s = slots.to(torch.int64)
+    valid = (alive != 0) & (s >= 0) & (s < num_blocks * block_size)
+    blk = torch.where(valid, s // block_size, num_blocks)  # invalid tokens go to a dummy bin
+    counts = torch.zeros(num_blocks + 1, dtype=torch.int64, device=slots.device)
+    counts.index_add_(0, blk, torch.ones_like(blk))
+    counts = counts[:num_blocks]
+    if allocated is None:
+        alloc = torch.ones(num_blocks, dtype=torch.bool, device=slots.device)
+    else:
+        alloc = allocated != 0
+    live = (counts * alloc).sum()
+    return counts.to(torch.int32), waste_ratio(live, alloc.sum(), block_size)
