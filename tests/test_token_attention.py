@@ -1,0 +1,575 @@
+"""token_attention: Triton (interpreter on CPU) vs a float64 torch oracle.
+
+Tolerance table (|triton - oracle| <= atol + rtol * |oracle|, per dtype). The
+inputs handed to both are the same fp16/bf16/fp32 values, so the only error is
+what the kernel rounds, with unit roundoff u of the dtype:
+
+* the output is rounded to the dtype once: rtol = 2u;
+* P is rounded to the K/V dtype before P @ V (flash attention does this to use
+  the tensor cores): sum_j |delta p_j| |v_j| <= u * max|v|, so atol = 2u * max|v|
+  (max over the listed V rows of the case);
+* q.k and the softmax run in fp32 (and exp2 is ``ex2.approx`` on the GPU):
+  relative errors ~1e-6, which sets fp32's floor: u is taken as 2^-16 there, a
+  margin over the summation-order error of a few hundred fp32 terms.
+
+Key scores are fp32 sums of probabilities computed from the same inputs with
+fp32 arithmetic for every dtype (P is never rounded to the K/V dtype there), so
+one bound serves all dtypes: rtol 1e-4, atol 1e-5 per unit of probability mass
+(probabilities are <= 1 and their error is relative ~1e-6).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+from vtoken.errors import InvalidArgumentError, InvalidTypeError
+from vtoken.layout import KVLayout, kv_cache_shape
+from vtoken.reference import token_attention as ref_mod
+from vtoken.reference.token_attention import token_attention as ref_attention
+from vtoken_kernels import token_attention as tri_mod
+from vtoken_kernels.token_attention import token_attention as tri_attention
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+LAYOUTS = ["vllm_flash", "vllm_fused", "nhd", "hnd"]  # vllm_flash: vLLM 0.32 FlashAttention [2, nb, S, H, D]
+# (head_dim, num_kv_heads, GQA group). Group 1 = MHA, 4 = GQA; one non-power-of-2 head_dim.
+HEAD_CASES = [(64, 2, 1), (128, 1, 4), (256, 1, 4), (96, 2, 1)]
+UNIT_ROUNDOFF = {torch.float32: 2.0**-16, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+KEY_SCORE_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def make_cache(layout_name, num_blocks, block_size, num_kv_heads, head_dim, dtype, gen, device="cpu"):
+    shape = kv_cache_shape(layout_name, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    return cache, KVLayout.from_tensor(cache, layout_name)
+
+
+def make_lists(lens, num_slots, pad_tail, rng, device="cpu"):
+    """Random unique slots, request r gets lens[r] of them; PAD tail of pad_tail entries."""
+    slots = rng.sample(range(num_slots), sum(lens))
+    idx = torch.tensor(slots + [-1] * pad_tail, dtype=torch.int32, device=device)
+    ptr = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    return idx, ptr
+
+
+def slot_rows(cache, layout):
+    """Canonical [num_blocks, block_size, 2, H, D] view to read / poison slots."""
+    return ref_mod._canonical_view(cache, layout)
+
+
+def poison_unlisted(cache, layout, kv_indices, value):
+    """Fill every slot that is not in ``kv_indices`` with ``value``; return the count."""
+    listed = set(int(s) for s in kv_indices.tolist() if s >= 0)
+    view = slot_rows(cache, layout)
+    n = 0
+    for s in range(layout.num_slots):
+        if s not in listed:
+            view[s // layout.block_size, s % layout.block_size] = value
+            n += 1
+    return n
+
+
+def v_absmax(cache, layout, kv_indices):
+    s = kv_indices[kv_indices >= 0].long()
+    view = slot_rows(cache, layout)
+    if s.numel() == 0:
+        return 1.0
+    return float(view[s // layout.block_size, s % layout.block_size, 1].float().abs().max())
+
+
+def assert_close_to_oracle(out, oracle, dtype, vmax):
+    u = UNIT_ROUNDOFF[dtype]
+    torch.testing.assert_close(out.double(), oracle, rtol=2 * u, atol=2 * u * vmax)
+
+
+def assert_scores_close(ks, oracle_ks, mass=1.0):
+    torch.testing.assert_close(ks.double(), oracle_ks, rtol=KEY_SCORE_TOL["rtol"], atol=KEY_SCORE_TOL["atol"] * mass)
+
+
+# ---------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("head_case", HEAD_CASES, ids=lambda c: f"D{c[0]}-kv{c[1]}-g{c[2]}")
+@pytest.mark.parametrize("layout_name", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_matches_oracle(dtype, layout_name, head_case):
+    head_dim, num_kv_heads, group = head_case
+    seed = zlib.crc32(f"decode {dtype} {layout_name} {head_case}".encode())
+    gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    block_size = [16, 5, 1, 16][LAYOUTS.index(layout_name)]
+    num_blocks = 160 // block_size
+    cache, lay = make_cache(layout_name, num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
+    lens = [1, 67, 0, 23]  # odd sizes; 67 > one BLOCK_N tile; 0 = a request with no live token
+    idx, ptr = make_lists(lens, lay.num_slots, pad_tail=5, rng=rng)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    out, ks = tri_attention(q, cache, lay, idx, ptr, return_key_scores=True)
+    oracle, oracle_ks = ref_attention(q, cache, lay, idx, ptr, return_key_scores=True, compute_dtype=torch.float64)
+    assert out.dtype == dtype and ks.dtype == torch.float32 and ks.shape == (idx.numel(), num_kv_heads)
+    assert_close_to_oracle(out, oracle, dtype, v_absmax(cache, lay, idx))
+    assert_scores_close(ks, oracle_ks, mass=group)
+    assert torch.equal(out[2], torch.zeros_like(out[2])), "a request with no live token outputs zeros"
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_split_matches_oracle(dtype, num_splits):
+    """Flash-decoding: kv range split across programs, merged by the reduce kernel."""
+    gen, rng = torch.Generator().manual_seed(num_splits), random.Random(num_splits)
+    cache, lay = make_cache("nhd", 24, 16, 2, 64, dtype, gen)
+    lens = [150, 1, 0, 65, 130]  # splits that are empty, partial, and several tiles long
+    idx, ptr = make_lists(lens, lay.num_slots, pad_tail=3, rng=rng)
+    q = torch.randn(len(lens), 8, 64, generator=gen).to(dtype)
+    out, ks = tri_attention(q, cache, lay, idx, ptr, return_key_scores=True, num_splits=num_splits)
+    one, ks_one = tri_attention(q, cache, lay, idx, ptr, return_key_scores=True, num_splits=1)
+    oracle, oracle_ks = ref_attention(q, cache, lay, idx, ptr, return_key_scores=True, compute_dtype=torch.float64)
+    vmax = v_absmax(cache, lay, idx)
+    assert_close_to_oracle(out, oracle, dtype, vmax)
+    assert_close_to_oracle(one, oracle, dtype, vmax)
+    assert_scores_close(ks, oracle_ks, mass=4)
+    assert_scores_close(ks_one, oracle_ks, mass=4)
+
+
+# ---------------------------------------------------------------- varlen prefill
+
+
+@pytest.mark.parametrize("head_case", HEAD_CASES[:3], ids=lambda c: f"D{c[0]}-kv{c[1]}-g{c[2]}")
+@pytest.mark.parametrize("layout_name", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_matches_oracle(dtype, layout_name, head_case):
+    head_dim, num_kv_heads, group = head_case
+    seed = zlib.crc32(f"prefill {dtype} {layout_name} {head_case}".encode())
+    gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    block_size = [16, 5, 1, 16][LAYOUTS.index(layout_name)]
+    cache, lay = make_cache(layout_name, 200 // block_size, block_size, num_kv_heads, head_dim, dtype, gen)
+    # (n_live, n_new): chunk after past tokens, whole prompt (no past), a decode-like
+    # step, a request with nothing new, and a chunk longer than one query tile at group 1.
+    reqs = [(40, 9), (13, 13), (30, 1), (7, 0), (80, 70 if group == 1 else 20)]
+    idx, ptr = make_lists([r[0] for r in reqs], lay.num_slots, pad_tail=4, rng=rng)
+    q_indptr = torch.tensor([0] + torch.tensor([r[1] for r in reqs]).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(q_indptr[-1]), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    out, ks = tri_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True)
+    oracle, oracle_ks = ref_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True, compute_dtype=torch.float64)
+    assert_close_to_oracle(out, oracle, dtype, v_absmax(cache, lay, idx))
+    assert_scores_close(ks, oracle_ks, mass=group * 70)
+
+
+def test_prefill_is_causal_within_the_chunk():
+    """Query i of the chunk ignores chunk keys after it: changing a later key's K/V leaves it unchanged."""
+    gen, rng = torch.Generator().manual_seed(5), random.Random(5)
+    cache, lay = make_cache("vllm_flash", 8, 16, 1, 64, torch.float32, gen)
+    idx, ptr = make_lists([20], lay.num_slots, pad_tail=0, rng=rng)
+    q_indptr = torch.tensor([0, 6], dtype=torch.int32)  # the last 6 list entries are the chunk
+    q = torch.randn(6, 2, 64, generator=gen)
+    before = tri_attention(q, cache, lay, idx, ptr, q_indptr)
+    last = int(idx[19])
+    slot_rows(cache, lay)[last // 16, last % 16] = 1e4  # the K/V of the chunk's last token
+    after = tri_attention(q, cache, lay, idx, ptr, q_indptr)
+    assert torch.equal(before[:5], after[:5]), "queries 0..4 must not see the 6th chunk token"
+    assert not torch.equal(before[5], after[5]), "query 5 must see its own token"
+
+
+def test_decode_equals_prefill_with_one_query_per_request():
+    gen, rng = torch.Generator().manual_seed(9), random.Random(9)
+    cache, lay = make_cache("hnd", 12, 16, 2, 128, torch.float16, gen)
+    idx, ptr = make_lists([5, 50, 17], lay.num_slots, pad_tail=2, rng=rng)
+    q = torch.randn(3, 8, 128, generator=gen).half()
+    dec, ks_dec = tri_attention(q, cache, lay, idx, ptr, return_key_scores=True)
+    pre, ks_pre = tri_attention(q, cache, lay, idx, ptr, torch.arange(4, dtype=torch.int32), return_key_scores=True)
+    torch.testing.assert_close(dec, pre, rtol=0, atol=2e-3)  # same math, different tiling of padded rows
+    torch.testing.assert_close(ks_dec, ks_pre, **KEY_SCORE_TOL)
+
+
+# ---------------------------------------------------------------- probability sums
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_key_scores_sum_to_query_mass(mode):
+    """Per request and kv head, key scores sum to (#queries with a key) * group, like the oracle."""
+    gen, rng = torch.Generator().manual_seed(3), random.Random(3)
+    group, num_kv_heads = 4, 2
+    cache, lay = make_cache("vllm_fused", 16, 16, num_kv_heads, 64, torch.bfloat16, gen)
+    lens = [33, 0, 90, 1]
+    idx, ptr = make_lists(lens, lay.num_slots, pad_tail=6, rng=rng)
+    if mode == "decode":
+        q_indptr, n_new = None, [1, 1, 1, 1]
+    else:
+        n_new = [5, 0, 12, 1]
+        q_indptr = torch.tensor([0] + torch.tensor(n_new).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(n_new), num_kv_heads * group, 64, generator=gen).bfloat16()
+    _, ks = tri_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True)
+    _, oracle_ks = ref_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True, compute_dtype=torch.float64)
+    for r, n in enumerate(lens):
+        a, b = int(ptr[r]), int(ptr[r + 1])
+        mass = (n_new[r] if n > 0 else 0) * group
+        expected = torch.full((num_kv_heads,), float(mass), dtype=torch.float64)
+        torch.testing.assert_close(ks[a:b].double().sum(0), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(oracle_ks[a:b].sum(0), expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(ks[int(ptr[-1]):], torch.zeros_like(ks[int(ptr[-1]):])), "rows past kv_indptr[-1] are 0"
+
+
+# ---------------------------------------------------------------- PAD and dead tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_entries_past_indptr_end_are_ignored(dtype):
+    """Entries past kv_indptr[-1] (PAD, or stale slots of poisoned data) are never read."""
+    gen, rng = torch.Generator().manual_seed(11), random.Random(11)
+    cache, lay = make_cache("nhd", 10, 16, 2, 64, dtype, gen)
+    lens = [12, 31]
+    slots = rng.sample(range(lay.num_slots), sum(lens) + 8)
+    listed, stale = slots[: sum(lens)], slots[sum(lens) :]
+    ptr = torch.tensor([0, 12, 43], dtype=torch.int32)
+    q = torch.randn(2, 4, 64, generator=gen).to(dtype)
+    pad = torch.tensor(listed + [-1] * 8, dtype=torch.int32)
+    out_pad, ks_pad = tri_attention(q, cache, lay, pad, ptr, return_key_scores=True)
+    view = slot_rows(cache, lay)
+    for s in stale:
+        view[s // 16, s % 16] = float("nan")
+    stale_tail = torch.tensor(listed + stale, dtype=torch.int32)
+    out_stale, ks_stale = tri_attention(q, cache, lay, stale_tail, ptr, return_key_scores=True)
+    assert torch.equal(out_pad, out_stale)
+    assert torch.equal(ks_pad, ks_stale)
+    assert torch.equal(ks_stale[43:], torch.zeros(8, 2))
+
+
+def test_pad_inside_a_request_is_masked():
+    """A PAD entry inside a range contributes nothing and scores 0; otherwise same as the list without it."""
+    gen, rng = torch.Generator().manual_seed(12), random.Random(12)
+    cache, lay = make_cache("vllm_flash", 10, 16, 1, 64, torch.float32, gen)
+    slots = rng.sample(range(lay.num_slots), 30)
+    with_pad = torch.tensor(slots[:10] + [-1] + slots[10:20] + [-1, -1] + slots[20:], dtype=torch.int32)
+    ptr_pad = torch.tensor([0, 11, 33], dtype=torch.int32)
+    packed = torch.tensor(slots, dtype=torch.int32)
+    ptr = torch.tensor([0, 10, 30], dtype=torch.int32)
+    q = torch.randn(2, 2, 64, generator=gen)
+    out_pad, ks_pad = tri_attention(q, cache, lay, with_pad, ptr_pad, return_key_scores=True)
+    out, ks = tri_attention(q, cache, lay, packed, ptr, return_key_scores=True)
+    torch.testing.assert_close(out_pad, out, rtol=1e-6, atol=1e-6)
+    keep = with_pad >= 0
+    torch.testing.assert_close(ks_pad[keep], ks, **KEY_SCORE_TOL)
+    assert torch.equal(ks_pad[~keep], torch.zeros(3, 1))
+    ref_pad = ref_attention(q, cache, lay, with_pad, ptr_pad, compute_dtype=torch.float64)
+    torch.testing.assert_close(out_pad.double(), ref_pad, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), 6e4])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_dead_tokens_never_influence_the_output(mode, poison):
+    """Unlisted slots (dead tokens, inside live blocks too) are never read: poisoning them changes no bit."""
+    gen, rng = torch.Generator().manual_seed(13), random.Random(13)
+    cache, lay = make_cache("vllm_fused", 8, 16, 2, 64, torch.float16, gen)
+    # Live tokens scattered over every block, so each block holds dead and live tokens.
+    idx, ptr = make_lists([20, 37], lay.num_slots, pad_tail=4, rng=rng)
+    q_indptr = None if mode == "decode" else torch.tensor([0, 4, 11], dtype=torch.int32)
+    q = torch.randn(2 if mode == "decode" else 11, 8, 64, generator=gen).half()
+    clean, ks_clean = tri_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True)
+    assert poison_unlisted(cache, lay, idx, poison) == lay.num_slots - 57
+    dirty, ks_dirty = tri_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True)
+    assert torch.isfinite(dirty).all()
+    assert torch.equal(clean.view(torch.int16), dirty.view(torch.int16))
+    assert torch.equal(ks_clean, ks_dirty)
+    ref_dirty = ref_attention(q, cache, lay, idx, ptr, q_indptr, compute_dtype=torch.float64)
+    assert torch.isfinite(ref_dirty).all()
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def test_out_scale_and_strided_q():
+    """``out`` is written in place; q may be a strided view (e.g. a slice of a fused qkv)."""
+    gen, rng = torch.Generator().manual_seed(21), random.Random(21)
+    cache, lay = make_cache("nhd", 6, 16, 2, 64, torch.float32, gen)
+    idx, ptr = make_lists([9, 40], lay.num_slots, pad_tail=0, rng=rng)
+    qkv = torch.randn(2, 12, 64, generator=gen)
+    q = qkv[:, :4]  # stride(0) = 12 * 64
+    out_buf = torch.full((2, 8, 64), float("nan"))
+    out = out_buf[:, ::2]  # a strided output view
+    got = tri_attention(q, cache, lay, idx, ptr, scale=0.3, out=out)
+    assert got is out
+    oracle = ref_attention(q.contiguous(), cache, lay, idx, ptr, scale=0.3, compute_dtype=torch.float64)
+    torch.testing.assert_close(out.double(), oracle, rtol=2e-5, atol=2e-5)
+    assert torch.isnan(out_buf[:, 1::2]).all(), "only the out view is written"
+    ref_out = torch.empty(2, 4, 64)
+    assert ref_attention(q, cache, lay, idx, ptr, scale=0.3, out=ref_out) is ref_out
+
+
+def test_ops_dispatch(monkeypatch):
+    import vtoken.ops as ops
+
+    gen, rng = torch.Generator().manual_seed(22), random.Random(22)
+    cache, lay = make_cache("vllm_flash", 6, 16, 2, 64, torch.float32, gen)
+    idx, ptr = make_lists([9, 40], lay.num_slots, pad_tail=3, rng=rng)
+    q = torch.randn(2, 4, 64, generator=gen)
+    results = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("VTOKEN_BACKEND", backend)
+        assert ops.select_backend("token_attention", q.device, has_cuda_impl=False) == backend
+        results[backend] = ops.token_attention(q, cache, lay, idx, ptr, return_key_scores=True)
+    monkeypatch.setenv("VTOKEN_BACKEND", "cuda")
+    with pytest.raises(InvalidArgumentError, match="VTOKEN_BACKEND=cuda"):
+        ops.token_attention(q, cache, lay, idx, ptr)
+    monkeypatch.delenv("VTOKEN_BACKEND")
+    assert isinstance(ops.token_attention(q, cache, lay, idx, ptr), torch.Tensor)
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(results["triton"][1], results["torch"][1], **KEY_SCORE_TOL)
+
+
+def _valid_args():
+    gen = torch.Generator().manual_seed(0)
+    cache, lay = make_cache("nhd", 4, 16, 2, 64, torch.float16, gen)
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    idx = torch.tensor([1, 2, 3, 40, -1], dtype=torch.int32)
+    ptr = torch.tensor([0, 3, 4], dtype=torch.int32)
+    return dict(q=q, kv_cache=cache, layout=lay, kv_indices=idx, kv_indptr=ptr)
+
+
+def _mla_layout():
+    t = torch.zeros(kv_cache_shape("mla", 4, 16, 1, 64), dtype=torch.float16)
+    return KVLayout.from_tensor(t, "mla")
+
+
+BAD_ARGS = [
+    # (id, overrides, error type, message regex)
+    ("q-not-tensor", dict(q=[[1.0]]), InvalidTypeError, "q: expected a torch.Tensor"),
+    ("q-2d", dict(q=torch.zeros(2, 256, dtype=torch.float16)), InvalidTypeError, "q: expected 3 dims"),
+    ("q-int", dict(q=torch.zeros(2, 4, 64, dtype=torch.int32)), InvalidTypeError, "q: expected dtype"),
+    ("q-head-dim", dict(q=torch.zeros(2, 4, 32, dtype=torch.float16)), InvalidArgumentError, "q: expected head_dim == layout.head_dim"),
+    ("q-gqa", dict(q=torch.zeros(2, 3, 64, dtype=torch.float16)), InvalidArgumentError, "divisible by num_kv_heads"),
+    ("q-decode-count", dict(q=torch.zeros(3, 4, 64, dtype=torch.float16)), InvalidTypeError, "one query per request"),
+    ("cache-dtype", dict(kv_cache="f32"), InvalidTypeError, "kv_cache: expected dtype"),
+    ("cache-small", dict(kv_cache="small"), InvalidArgumentError, "kv_cache: expected a tensor spanning"),
+    ("layout-type", dict(layout="nhd"), InvalidTypeError, "layout: expected a vtoken.layout.KVLayout"),
+    ("layout-mla", dict(layout="mla"), InvalidArgumentError, "layout: expected num_kv == 2"),
+    ("indices-int64", dict(kv_indices=torch.tensor([1, 2, 3, 4], dtype=torch.int64)), InvalidTypeError, "kv_indices: expected dtype"),
+    ("indptr-2d", dict(kv_indptr=torch.zeros(1, 3, dtype=torch.int32)), InvalidTypeError, "kv_indptr: expected 1 dims"),
+    ("indptr-empty", dict(kv_indptr=torch.zeros(0, dtype=torch.int32)), InvalidTypeError, "kv_indptr: expected num_reqs"),
+    ("indptr-decreasing", dict(kv_indptr=torch.tensor([0, 3, 2], dtype=torch.int32)), InvalidArgumentError, "kv_indptr: expected a non-decreasing"),
+    ("indptr-past-end", dict(kv_indptr=torch.tensor([0, 3, 6], dtype=torch.int32)), InvalidArgumentError, "kv_indptr: expected a last entry <= len"),
+    ("slot-out-of-range", dict(kv_indices=torch.tensor([1, 2, 64, 40, -1], dtype=torch.int32)), InvalidArgumentError, r"kv_indices: expected slots in \[0, 64\)"),
+    ("q-indptr-len", dict(q_indptr=torch.tensor([0, 2], dtype=torch.int32)), InvalidTypeError, "q_indptr: expected len"),
+    ("q-indptr-dtype", dict(q_indptr=torch.tensor([0, 1, 2], dtype=torch.int64)), InvalidTypeError, "q_indptr: expected dtype"),
+    ("q-indptr-end", dict(q_indptr=torch.tensor([0, 1, 3], dtype=torch.int32)), InvalidArgumentError, r"q_indptr: expected a last entry <= q.shape\[0\]"),
+    ("q-indptr-too-many", dict(q_indptr=torch.tensor([0, 0, 2], dtype=torch.int32)), InvalidArgumentError, r"request 1's new queries \(2\) <= its listed slots \(1\)"),
+    ("scale-neg", dict(scale=-1.0), InvalidArgumentError, "scale: expected a finite float > 0"),
+    ("scale-nan", dict(scale=float("nan")), InvalidArgumentError, "scale: expected a finite float > 0"),
+    ("out-shape", dict(out=torch.zeros(2, 4, 32, dtype=torch.float16)), InvalidTypeError, "out: expected shape"),
+    ("out-dtype", dict(out=torch.zeros(2, 4, 64, dtype=torch.float32)), InvalidTypeError, "out: expected dtype"),
+]
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("case", BAD_ARGS, ids=[c[0] for c in BAD_ARGS])
+def test_bad_arguments_raise_typed_errors(case, impl):
+    _, overrides, err, match = case
+    args = _valid_args()
+    kwargs = {}
+    for k, v in overrides.items():
+        if k == "kv_cache" and v == "f32":
+            v = args["kv_cache"].float()
+        elif k == "kv_cache" and v == "small":
+            v = args["kv_cache"][:2]
+        elif k == "layout" and v == "mla":
+            v = _mla_layout()
+        if k in ("q_indptr", "scale", "out"):
+            kwargs[k] = v
+        else:
+            args[k] = v
+    guard = torch.full((2, 4, 64), 7.0, dtype=torch.float16)
+    if "out" not in kwargs:
+        kwargs["out"] = guard
+    fn = tri_attention if impl == "triton" else ref_attention
+    with pytest.raises(err, match=match):
+        fn(args["q"], args["kv_cache"], args["layout"], args["kv_indices"], args["kv_indptr"], **kwargs)
+    assert torch.equal(guard, torch.full_like(guard, 7.0)), "a rejected call must not write out"
+
+
+def test_num_splits_argument_is_validated():
+    a = _valid_args()
+    with pytest.raises(InvalidArgumentError, match="num_splits: expected an int >= 1"):
+        tri_attention(a["q"], a["kv_cache"], a["layout"], a["kv_indices"], a["kv_indptr"], num_splits=0)
+
+
+def test_empty_batch():
+    a = _valid_args()
+    q = torch.zeros(0, 4, 64, dtype=torch.float16)
+    ptr = torch.zeros(1, dtype=torch.int32)
+    out, ks = tri_attention(q, a["kv_cache"], a["layout"], a["kv_indices"], ptr, return_key_scores=True)
+    assert out.shape == (0, 4, 64) and torch.equal(ks, torch.zeros(5, 2))
+
+
+# ---------------------------------------------------------------- AOT compile (sm_90, sm_80)
+
+_AOT_SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from vtoken_kernels import token_attention as m
+
+arch, specs = int(sys.argv[1]), json.loads(sys.argv[2])
+results = []
+for spec in specs:
+    fn = getattr(m, spec["kernel"])
+    sig = {}
+    for name in fn.arg_names:
+        if name in spec["constexprs"]:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = spec["types"].get(name, "i32")
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=spec["constexprs"])
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": spec["num_warps"]})
+    results.append({"id": spec["id"], "has_cubin": bool(k.asm.get("cubin")), "shared": k.metadata.shared})
+print("AOT_RESULT " + json.dumps(results))
+"""
+
+_TL = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _aot_specs():
+    """The launcher's real configs (from _config): decode / prefill x dtypes x head dims.
+
+    Every dtype, head dim, decode and prefill, split and not: the main kernel six
+    times, the key-score kernel once per dtype, the reduce kernel per split case.
+    """
+    specs = []
+    for decode, dtype, head_dim, group, split, scores in [
+        (True, torch.bfloat16, 128, 4, True, True),
+        (True, torch.float16, 64, 1, False, False),
+        (True, torch.float32, 256, 8, True, False),
+        (False, torch.bfloat16, 128, 4, False, False),
+        (False, torch.float16, 256, 2, False, True),
+        (False, torch.float32, 64, 1, False, True),
+    ]:
+        a = ref_mod.TokenAttentionArgs(
+            num_reqs=4, num_q_tokens=4, num_q_heads=8 * group, num_kv_heads=8, head_dim=head_dim, group=group,
+            nnz_max=64, scale=1.0, decode=decode,
+        )
+        cfg = tri_mod._config(a)
+        dt = _TL[dtype]
+        common = dict(
+            HEAD_DIM=head_dim, GROUP=group, GROUP_P=cfg["GROUP_P"], BLOCK_Q=cfg["BLOCK_Q"], BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_D=cfg["BLOCK_D"], BLOCK_SIZE=16, IS_DECODE=decode,
+            DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", DOT_UPCAST=False,
+        )
+        idx_ptrs = {n: "*i32" for n in ("kv_indices_ptr", "kv_indptr_ptr", "q_indptr_ptr", "tile_req_ptr", "tile_q0_ptr")}
+        tag = f"{'decode' if decode else 'prefill'}-{dt}-D{head_dim}-g{group}"
+        specs.append(dict(
+            id=f"main-{tag}{'-split' if split else ''}", kernel="_token_attention_kernel", num_warps=cfg["num_warps"],
+            constexprs=dict(common, SPLIT=split, WRITE_LSE=True),
+            types=dict(idx_ptrs, q_ptr=f"*{dt}", kv_ptr=f"*{dt}", out_ptr=f"*{dt}", lse_ptr="*fp32",
+                       mid_o_ptr="*fp32", mid_lse_ptr="*fp32", qk_scale="fp32"),
+        ))
+        if scores:
+            specs.append(dict(
+                id=f"key_scores-{tag}", kernel="_token_attention_key_scores_kernel", num_warps=cfg["num_warps"],
+                constexprs=common,
+                types=dict(idx_ptrs, q_ptr=f"*{dt}", kv_ptr=f"*{dt}", lse_ptr="*fp32", key_scores_ptr="*fp32",
+                           qk_scale="fp32"),
+            ))
+        if split:
+            specs.append(dict(
+                id=f"reduce-{tag}", kernel="_token_attention_reduce_kernel", num_warps=4,
+                constexprs=dict(HEAD_DIM=head_dim, BLOCK_D=cfg["BLOCK_D"], SPLITS_P=32, WRITE_LSE=True),
+                types=dict(mid_o_ptr="*fp32", mid_lse_ptr="*fp32", out_ptr=f"*{dt}", lse_ptr="*fp32"),
+            ))
+    return specs
+
+
+# Max shared memory per block (opt-in): A100 (sm_80) 163 KiB, H100/H200 (sm_90) 227 KiB.
+_SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_aot_compile_every_kernel(arch):
+    """Compile every Triton kernel (the launcher's configs) for sm_90 / sm_80 without a GPU.
+
+    Runs in a subprocess without TRITON_INTERPRET, where @triton.jit gives real
+    JITFunctions; the interpreter tolerates code the compiler rejects.
+    """
+    specs = _aot_specs()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), ROOT, env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _AOT_SCRIPT, str(arch), json.dumps(specs)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("AOT_RESULT ")][-1]
+    results = json.loads(line[len("AOT_RESULT "):])
+    assert [r["id"] for r in results] == [s["id"] for s in specs]
+    for r in results:
+        assert r["has_cubin"], r
+        assert r["shared"] <= _SMEM_LIMIT[arch], r
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_decode_and_prefill_match_oracle(dtype):
+    dev = torch.device("cuda")
+    gen, rng = torch.Generator().manual_seed(31), random.Random(31)
+    cache, lay = make_cache("vllm_flash", 256, 16, 8, 128, dtype, gen, device=dev)
+    lens = [1, 700, 0, 2048, 333]
+    idx, ptr = make_lists(lens, lay.num_slots, pad_tail=100, rng=rng, device=dev)
+    vmax = v_absmax(cache, lay, idx)
+    q = torch.randn(len(lens), 32, 128, generator=gen).to(dev, dtype)
+    oracle, oracle_ks = ref_attention(q, cache, lay, idx, ptr, return_key_scores=True, compute_dtype=torch.float64)
+    for splits in (None, 1, 7):
+        out, ks = tri_attention(q, cache, lay, idx, ptr, return_key_scores=True, num_splits=splits)
+        assert_close_to_oracle(out, oracle, dtype, vmax)
+        assert_scores_close(ks, oracle_ks, mass=4)
+    n_new = [1, 100, 0, 300, 333]
+    q_indptr = torch.tensor([0] + torch.tensor(n_new).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    qp = torch.randn(sum(n_new), 32, 128, generator=gen).to(dev, dtype)
+    out, ks = tri_attention(qp, cache, lay, idx, ptr, q_indptr, return_key_scores=True)
+    oracle, oracle_ks = ref_attention(qp, cache, lay, idx, ptr, q_indptr, return_key_scores=True, compute_dtype=torch.float64)
+    assert_close_to_oracle(out, oracle, dtype, vmax)
+    assert_scores_close(ks, oracle_ks, mass=4 * 333)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replays_with_overwritten_lists():
+    """Decode captured in a CUDA graph; slot lists overwritten in place between replays."""
+    dev = torch.device("cuda")
+    gen, rng = torch.Generator().manual_seed(32), random.Random(32)
+    cache, lay = make_cache("nhd", 128, 16, 8, 128, torch.bfloat16, gen, device=dev)
+    nnz_max = 1500
+    idx = torch.full((nnz_max,), -1, dtype=torch.int32, device=dev)
+    ptr = torch.zeros(5, dtype=torch.int32, device=dev)
+    q = torch.randn(4, 32, 128, generator=gen).to(dev, torch.bfloat16)
+    out = torch.empty_like(q)
+
+    def fill(lens):
+        i, p = make_lists(lens, lay.num_slots, pad_tail=nnz_max - sum(lens), rng=rng, device=dev)
+        idx.copy_(i)
+        ptr.copy_(p)
+
+    fill([10, 300, 1, 900])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            tri_attention(q, cache, lay, idx, ptr, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        tri_attention(q, cache, lay, idx, ptr, out=out)
+    for lens in ([10, 300, 1, 900], [0, 1200, 64, 5]):
+        fill(lens)
+        g.replay()
+        torch.cuda.synchronize()
+        expected = tri_attention(q, cache, lay, idx, ptr)
+        assert torch.equal(out, expected)

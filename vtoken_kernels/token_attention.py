@@ -1,0 +1,498 @@
+"""Triton token-indexed attention: decode and varlen prefill over per-token slots.
+
+Every key/value row is read through ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``
+(request ``r``'s live slots, in logical order), so a dead token that still
+sits in a live block is never read. Semantics, shapes and the causal rule are
+those of :mod:`vtoken.reference.token_attention`.
+
+Kernels (launched by :func:`token_attention`):
+
+* ``_token_attention_kernel``: one program per (query tile, kv head, kv split).
+  The query heads of a kv head's GQA group are folded into the tile's rows, so
+  each K/V row is loaded once per group. Online softmax in fp32 (base 2).
+
+  - Decode: one query per request, tile = request. With ``num_splits > 1`` the
+    request's keys are cut into ``num_splits`` contiguous chunks, one program
+    each (flash-decoding); every chunk writes a normalized partial output and its
+    log-sum-exp, and ``_token_attention_reduce_kernel`` merges them.
+  - Varlen prefill: tiles of ``BLOCK_Q`` new queries of one request. The tile to
+    request map is built on the device from ``q_indptr`` (no host sync).
+* ``_token_attention_key_scores_kernel`` (``return_key_scores=True``): a second
+  pass that recomputes q·k and sums ``exp(s - lse)`` with the FINAL per-row
+  log-sum-exp, so the probability sums are exact up to float rounding (not an
+  online approximation). It reads K a second time, V never.
+
+When the split is used (decode only): ``num_splits`` is chosen from shapes
+alone (never a host sync), so a CUDA graph replays it unchanged. On CUDA the
+kernel fills about two waves of SMs: ``splits = min(ceil(2 * SMs /
+(num_reqs * num_kv_heads)), nnz_max / num_reqs / 256, 32)``; large batches
+(e.g. 64 requests x 8 kv heads on 132 SMs) get no split, few long requests get
+up to 32. Under the interpreter (CPU) it is 1 unless ``num_splits`` is given.
+
+NOTE: tile sizes (BLOCK_N 64, or 32 at head_dim 256; 64 query rows per prefill
+tile, 32 at head_dim 256) are conventional flash-attention choices, not yet
+tuned by measurement on a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from vtoken.errors import InvalidArgumentError
+from vtoken.reference.token_attention import validate_token_attention_args
+
+LOG2E = 1.4426950408889634
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 32
+
+
+def token_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    q_indptr: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    return_key_scores: bool = False,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+):
+    """Attention over token-indexed K/V (Triton).
+
+    Args:
+        q: ``[num_q_tokens, num_q_heads, head_dim]`` fp16 / bf16 / fp32
+            (last dim contiguous; other strides free).
+        kv_cache: one layer's cache tensor, same dtype and device as ``q``.
+        layout: :class:`vtoken.layout.KVLayout` of ``kv_cache`` with ``num_kv == 2``.
+        kv_indices: int32 ``[nnz_max]`` slots; PAD (-1) entries are skipped.
+        kv_indptr: int32 ``[num_reqs + 1]``.
+        q_indptr: int32 ``[num_reqs + 1]`` (varlen prefill) or ``None`` (decode,
+            ``q.shape[0] == num_reqs``).
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        return_key_scores: also return float32 ``[nnz_max, num_kv_heads]``
+            per-key probability sums (see the reference module).
+        out: optional output, shape and dtype of ``q``.
+        num_splits: decode only: force the number of kv splits (flash-decoding);
+            ``None`` picks it from the shapes.
+
+    Returns:
+        ``out``, or ``(out, key_scores)``.
+
+    Example::
+
+        >>> import torch
+        >>> from vtoken.layout import KVLayout, kv_cache_shape
+        >>> cache = torch.randn(kv_cache_shape("vllm_flash", 8, 16, 2, 64), device="cuda", dtype=torch.float16)
+        >>> lay = KVLayout.from_tensor(cache, "vllm_flash")
+        >>> q = torch.randn(2, 8, 64, device="cuda", dtype=torch.float16)
+        >>> idx = torch.tensor([5, 9, 33, 34, 70, -1, -1], dtype=torch.int32, device="cuda")
+        >>> ptr = torch.tensor([0, 3, 5], dtype=torch.int32, device="cuda")
+        >>> o, ks = token_attention(q, cache, lay, idx, ptr, return_key_scores=True)
+    """
+    a = validate_token_attention_args(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr, scale=scale, out=out)
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise InvalidArgumentError(f"num_splits: expected an int >= 1 or None, got {num_splits!r}")
+    dev = q.device
+    if out is None:
+        out = torch.empty_like(q)
+    key_scores = (
+        torch.zeros(a.nnz_max, a.num_kv_heads, dtype=torch.float32, device=dev) if return_key_scores else None
+    )
+    if a.num_q_tokens == 0 or a.num_reqs == 0:
+        return (out, key_scores) if return_key_scores else out
+
+    cfg = _config(a)
+    splits = 1
+    if a.decode:
+        splits = num_splits if num_splits is not None else _auto_splits(dev, a.num_reqs, a.num_kv_heads, a.nnz_max)
+    split = splits > 1
+    lse = (
+        torch.empty(a.num_q_tokens, a.num_q_heads, dtype=torch.float32, device=dev)
+        if return_key_scores
+        else out  # unused dummy pointer (WRITE_LSE=False)
+    )
+    if split:
+        mid_o = torch.empty(a.num_q_tokens, a.num_q_heads, splits, cfg["BLOCK_D"], dtype=torch.float32, device=dev)
+        mid_lse = torch.empty(a.num_q_tokens, a.num_q_heads, splits, dtype=torch.float32, device=dev)
+    else:
+        mid_o = mid_lse = out  # unused dummy pointers (SPLIT=False)
+
+    if a.decode:
+        grid_t = a.num_reqs
+        tile_req = tile_q0 = q_ptr_arg = kv_indptr  # unused dummy pointers (IS_DECODE=True)
+    else:
+        tile_req, tile_q0 = _prefill_tiles(q_indptr, a.num_q_tokens, cfg["BLOCK_Q"])
+        grid_t = tile_req.numel()
+        q_ptr_arg = q_indptr
+    qk_scale = a.scale * LOG2E
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # NOTE: the Triton interpreter multiplies bf16 bit patterns in tl.dot
+    # (triton-lang/triton#11584, "not supported yet"). Under the interpreter,
+    # bf16 operands are widened to fp32 first, with P still rounded to bf16, so
+    # the CPU numerics match the GPU path (bf16 products are exact in fp32).
+    upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    if upcast:
+        dot_precision = "ieee"
+    common = dict(
+        HEAD_DIM=a.head_dim, GROUP=a.group, GROUP_P=cfg["GROUP_P"], BLOCK_Q=cfg["BLOCK_Q"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], BLOCK_SIZE=layout.block_size,
+        IS_DECODE=a.decode, DOT_PRECISION=dot_precision, DOT_UPCAST=upcast,
+    )
+    _token_attention_kernel[(grid_t, a.num_kv_heads, splits)](
+        q, kv_cache, kv_indices, kv_indptr, q_ptr_arg, tile_req, tile_q0,
+        out, lse, mid_o, mid_lse,
+        a.num_reqs, a.num_q_tokens, a.num_q_heads, a.nnz_max, layout.num_slots, qk_scale, splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        layout.stride_block, layout.stride_offset, layout.stride_kv, layout.stride_head,
+        SPLIT=split, WRITE_LSE=return_key_scores,
+        num_warps=cfg["num_warps"],
+        **common,
+    )
+    if split:
+        _token_attention_reduce_kernel[(a.num_q_tokens, a.num_q_heads)](
+            mid_o, mid_lse, out, lse,
+            a.num_q_heads, splits, out.stride(0), out.stride(1),
+            HEAD_DIM=a.head_dim, BLOCK_D=cfg["BLOCK_D"], SPLITS_P=triton.next_power_of_2(splits),
+            WRITE_LSE=return_key_scores,
+            num_warps=4,
+        )
+    if not return_key_scores:
+        return out
+    ksplits = _auto_splits(dev, a.num_reqs, a.num_kv_heads, a.nnz_max)
+    _token_attention_key_scores_kernel[(a.num_reqs, a.num_kv_heads, ksplits)](
+        q, kv_cache, kv_indices, kv_indptr, q_ptr_arg, lse,
+        key_scores,
+        a.num_q_tokens, a.num_q_heads, a.num_kv_heads, a.nnz_max, layout.num_slots, qk_scale, ksplits,
+        q.stride(0), q.stride(1),
+        layout.stride_block, layout.stride_offset, layout.stride_head,
+        num_warps=cfg["num_warps"],
+        **common,
+    )
+    return out, key_scores
+
+
+def _config(a) -> dict:
+    """Tile sizes for the given problem (see the module NOTE on tuning)."""
+    block_d = max(16, triton.next_power_of_2(a.head_dim))
+    group_p = triton.next_power_of_2(a.group)
+    rows_target = 64 if block_d <= 128 else 32
+    if a.decode:
+        # tl.dot needs >= 16 rows: pad the group (masked rows cost compute, not bandwidth).
+        group_p, block_q = max(16, group_p), 1
+    else:
+        block_q = max(1, rows_target // group_p)
+        block_q = max(block_q, 16 // min(group_p, 16))
+    return {
+        "BLOCK_D": block_d,
+        "GROUP_P": group_p,
+        "BLOCK_Q": block_q,
+        "BLOCK_N": 64 if block_d <= 128 else 32,
+        "num_warps": 8 if (block_d > 128 and not a.decode) else 4,
+    }
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _auto_splits(device: torch.device, num_reqs: int, num_kv_heads: int, nnz_max: int) -> int:
+    """Decode kv splits from shapes only (see module docstring); 1 off CUDA."""
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    programs = max(1, num_reqs * num_kv_heads)
+    fill = triton.cdiv(2 * _sm_count(idx), programs)
+    by_len = max(1, (nnz_max // max(1, num_reqs)) // MIN_KEYS_PER_SPLIT)
+    return max(1, min(fill, by_len, MAX_SPLITS))
+
+
+def _prefill_tiles(q_indptr: torch.Tensor, num_q_tokens: int, block_q: int):
+    """Device-side map: tile -> (request, first query token). No host sync.
+
+    The grid is sized by an upper bound on the tile count
+    (``ceil(num_q_tokens / BLOCK_Q) + num_reqs``); tiles past the real count get
+    request ``num_reqs`` and do nothing.
+    """
+    num_reqs = q_indptr.numel() - 1
+    starts = q_indptr[:-1].to(torch.int64)
+    n_new = q_indptr[1:].to(torch.int64) - starts
+    tiles = torch.clamp((n_new + block_q - 1) // block_q, min=0)
+    cum = torch.cumsum(tiles, 0)
+    bound = triton.cdiv(num_q_tokens, block_q) + num_reqs
+    pid = torch.arange(bound, device=q_indptr.device, dtype=torch.int64)
+    req = torch.searchsorted(cum, pid, right=True)
+    req_c = torch.clamp(req, max=num_reqs - 1)
+    q0 = starts[req_c] + (pid - (cum - tiles)[req_c]) * block_q
+    return req.to(torch.int32), q0.to(torch.int32)
+
+
+@triton.jit
+def _token_attention_reduce_kernel(
+    # Inputs
+    mid_o_ptr,  # [num_q_tokens, num_q_heads, num_splits, BLOCK_D] fp32, normalized partial outputs
+    mid_lse_ptr,  # [num_q_tokens, num_q_heads, num_splits] fp32, base-2 log-sum-exp (-inf: empty split)
+    # Outputs
+    out_ptr,  # [num_q_tokens, num_q_heads, HEAD_DIM] q dtype (strides stride_ot, stride_oh, 1)
+    lse_ptr,  # [num_q_tokens, num_q_heads] fp32 base-2 log-sum-exp (WRITE_LSE)
+    # Constants
+    num_q_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    """Merge flash-decoding partials. Grid: (num_q_tokens, num_q_heads)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < num_splits
+    row = (t * num_q_heads + h) * num_splits
+    lse_s = tl.load(mid_lse_ptr + row + s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse_s - m_safe)
+    w_sum = tl.sum(w, 0)
+    o_s = tl.load(mid_o_ptr + (row + s)[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+    o = tl.sum(w[:, None] * o_s, 0) / tl.where(w_sum > 0, w_sum, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    if WRITE_LSE:
+        lse = tl.where(w_sum > 0, m_safe + tl.log2(tl.where(w_sum > 0, w_sum, 1.0)), float("-inf"))
+        tl.store(lse_ptr + t * num_q_heads + h, lse)
+
+
+@triton.jit
+def _token_attention_key_scores_kernel(
+    # Inputs
+    q_ptr,  # [num_q_tokens, num_q_heads, HEAD_DIM] (strides stride_qt, stride_qh, 1)
+    kv_ptr,  # one layer's cache; (slot, head, d) of K at block*stride_block + off*stride_offset + head*stride_head + d
+    kv_indices_ptr,  # [nnz_max] int32 slots, PAD -1
+    kv_indptr_ptr,  # [num_reqs + 1] int32
+    q_indptr_ptr,  # [num_reqs + 1] int32 (prefill; unused when IS_DECODE)
+    lse_ptr,  # [num_q_tokens, num_q_heads] fp32 final base-2 log-sum-exp per query row
+    # Outputs
+    key_scores_ptr,  # [nnz_max, num_kv_heads] fp32, pre-zeroed; rows of request r written here
+    # Constants
+    num_q_tokens,
+    num_q_heads,
+    num_kv_heads,
+    nnz_max,
+    num_slots,
+    qk_scale,  # softmax scale * log2(e)
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_block,
+    stride_offset,
+    stride_head,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IS_DECODE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    """key_scores[j, g] = sum over the request's query rows of exp2(s - lse). Grid: (num_reqs, num_kv_heads, num_splits)."""
+    req = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_start = tl.load(kv_indptr_ptr + req)
+    kv_end = tl.minimum(tl.load(kv_indptr_ptr + req + 1), nnz_max)
+    n_live = tl.maximum(kv_end - kv_start, 0)
+    if IS_DECODE:
+        q_start = req
+        q_end = req + 1
+    else:
+        q_start = tl.load(q_indptr_ptr + req)
+        q_end = tl.minimum(tl.load(q_indptr_ptr + req + 1), num_q_tokens)
+    n_new = q_end - q_start
+    chunk = tl.cdiv(tl.cdiv(n_live, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n_live)
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_P)
+    r_q = rows // GROUP_P
+    r_h = rows % GROUP_P
+    head = g * GROUP + r_h
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    for n0 in range(lo, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        in_range = j < hi
+        slot = tl.load(kv_indices_ptr + kv_start + j, mask=in_range, other=-1)
+        ok = in_range & (slot >= 0) & (slot < num_slots)
+        slot = tl.where(ok, slot, 0)
+        base = (slot // BLOCK_SIZE).to(tl.int64) * stride_block + (slot % BLOCK_SIZE).to(tl.int64) * stride_offset
+        base += g.to(tl.int64) * stride_head
+        k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_UPCAST:
+            k = k.to(tl.float32)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # Query i (0-based in the chunk) sees key j iff j <= n_live - n_new + i.
+        first_q = tl.maximum(n0 - (n_live - n_new), 0)
+        for qi0 in range(q_start + first_q, q_end, BLOCK_Q):
+            q_tok = qi0 + r_q
+            row_ok = (r_h < GROUP) & (q_tok < q_end)
+            q_off = q_tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+            qv = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            if DOT_UPCAST:
+                qv = qv.to(tl.float32)
+            lse = tl.load(lse_ptr + q_tok.to(tl.int64) * num_q_heads + head, mask=row_ok, other=float("-inf"))
+            lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+            s = tl.dot(qv, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            lim = n_live - n_new + (q_tok - q_start)
+            allowed = row_ok[:, None] & ok[None, :] & (j[None, :] <= lim[:, None]) & (lse[:, None] > float("-inf"))
+            p = tl.where(allowed, tl.exp2(s - lse_safe[:, None]), 0.0)
+            acc += tl.sum(p, 0)
+        dst = (kv_start + j).to(tl.int64) * num_kv_heads + g
+        tl.store(key_scores_ptr + dst, acc, mask=in_range)
+
+
+@triton.jit
+def _token_attention_kernel(
+    # Inputs
+    q_ptr,  # [num_q_tokens, num_q_heads, HEAD_DIM] (strides stride_qt, stride_qh, 1)
+    kv_ptr,  # one layer's cache: (slot, kv, head, d) at block*stride_block + off*stride_offset + kv*stride_kv + head*stride_head + d
+    kv_indices_ptr,  # [nnz_max] int32 slots, PAD -1
+    kv_indptr_ptr,  # [num_reqs + 1] int32
+    q_indptr_ptr,  # [num_reqs + 1] int32 (prefill; unused when IS_DECODE)
+    tile_req_ptr,  # [num_tiles_max] int32 request of each query tile, >= num_reqs: empty (prefill)
+    tile_q0_ptr,  # [num_tiles_max] int32 first query token of each tile (prefill)
+    # Outputs
+    out_ptr,  # [num_q_tokens, num_q_heads, HEAD_DIM] q dtype (strides stride_ot, stride_oh, 1); when not SPLIT
+    lse_ptr,  # [num_q_tokens, num_q_heads] fp32 base-2 log-sum-exp; when WRITE_LSE and not SPLIT
+    mid_o_ptr,  # [num_q_tokens, num_q_heads, num_splits, BLOCK_D] fp32; when SPLIT
+    mid_lse_ptr,  # [num_q_tokens, num_q_heads, num_splits] fp32; when SPLIT
+    # Constants
+    num_reqs,
+    num_q_tokens,
+    num_q_heads,
+    nnz_max,
+    num_slots,
+    qk_scale,  # softmax scale * log2(e)
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_block,
+    stride_offset,
+    stride_kv,
+    stride_head,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IS_DECODE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    """Flash attention over slot-indexed K/V. Grid: (num_tiles, num_kv_heads, num_splits)."""
+    pid_t = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    if IS_DECODE:
+        req = pid_t
+        q_start = req
+        q_end = req + 1
+        q0 = req
+    else:
+        tile_req = tl.load(tile_req_ptr + pid_t)
+        live_tile = tile_req < num_reqs
+        req = tl.where(live_tile, tile_req, 0)
+        q0 = tl.load(tile_q0_ptr + pid_t)
+        q_start = tl.load(q_indptr_ptr + req)
+        # An empty tile gets q_end == q0: no rows, no keys, no stores.
+        q_end = tl.where(live_tile, tl.minimum(tl.load(q_indptr_ptr + req + 1), num_q_tokens), q0)
+    kv_start = tl.load(kv_indptr_ptr + req)
+    kv_end = tl.minimum(tl.load(kv_indptr_ptr + req + 1), nnz_max)
+    n_live = tl.maximum(kv_end - kv_start, 0)
+    n_new = q_end - q_start
+    # Keys the tile's last query may see (causal): list entries [0, n_live - n_new + i_last].
+    q_last = tl.minimum(q0 + BLOCK_Q, q_end) - 1
+    kv_hi = tl.maximum(tl.minimum(n_live, n_live - n_new + (q_last - q_start) + 1), 0)
+    kv_hi = tl.where(q0 < q_end, kv_hi, 0)
+    chunk = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_hi)
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_P)
+    r_q = rows // GROUP_P
+    r_h = rows % GROUP_P
+    q_tok = q0 + r_q
+    head = g * GROUP + r_h
+    row_ok = (r_h < GROUP) & (q_tok < q_end)
+    lim = n_live - n_new + (q_tok - q_start)  # last list entry each row may see
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_off = q_tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    qv = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_UPCAST:
+        qv = qv.to(tl.float32)
+
+    m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        in_range = j < hi
+        slot = tl.load(kv_indices_ptr + kv_start + j, mask=in_range, other=-1)
+        # NOTE: PAD and out-of-range slots are masked, never dereferenced.
+        ok = in_range & (slot >= 0) & (slot < num_slots)
+        slot = tl.where(ok, slot, 0)
+        base = (slot // BLOCK_SIZE).to(tl.int64) * stride_block + (slot % BLOCK_SIZE).to(tl.int64) * stride_offset
+        base += g.to(tl.int64) * stride_head
+        kv_mask = ok[:, None] & d_ok[None, :]
+        k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_ptr + stride_kv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        p_dtype = v.dtype  # P is rounded to the K/V dtype before P @ V, as in flash attention
+        if DOT_UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(qv, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        allowed = ok[None, :] & (j[None, :] <= lim[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no allowed key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has = l_i > 0
+    l_safe = tl.where(has, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+    row_head = q_tok.to(tl.int64) * num_q_heads + head
+    if SPLIT:
+        mid_row = row_head * num_splits + split
+        tl.store(mid_o_ptr + mid_row[:, None] * BLOCK_D + d[None, :], o, mask=row_ok[:, None])
+        tl.store(mid_lse_ptr + mid_row, lse, mask=row_ok)
+    else:
+        o_off = q_tok.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+        tl.store(
+            out_ptr + o_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :]
+        )
+        if WRITE_LSE:
+            tl.store(lse_ptr + row_head, lse, mask=row_ok)
