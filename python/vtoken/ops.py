@@ -61,3 +61,27 @@ def select_backend(op: str, device: torch.device, *, has_cuda_impl: bool = True)
 
 # --- ops -----------------------------------------------------------------
 # Each op below: validate in the reference/launcher, dispatch with select_backend().
+
+
+def token_attention(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr=None, *, scale=None,
+                    return_key_scores=False, out=None):
+    """Attention that reads K/V through per-token slots (decode, or varlen prefill with ``q_indptr``).
+
+    ``q`` ``[num_q_tokens, num_q_heads, head_dim]`` fp16/bf16/fp32; ``kv_cache`` one
+    layer's cache described by ``layout`` (``num_kv == 2``); int32 ``kv_indices
+    [nnz_max]`` / ``kv_indptr [num_reqs+1]`` (PAD past ``kv_indptr[-1]``); int32
+    ``q_indptr [num_reqs+1]`` or ``None`` (one query per request). Returns ``out``
+    (dtype of ``q``) or ``(out, key_scores)`` with float32 ``key_scores [nnz_max,
+    num_kv_heads]``. Full semantics: :mod:`vtoken.reference.token_attention`.
+    Backends: Triton, else the torch reference (no CUDA C++ implementation).
+    """
+    from vtoken.errors import check_tensor
+
+    check_tensor("q", q)
+    backend = select_backend("token_attention", q.device, has_cuda_impl=False)
+    if backend == "triton":
+        from vtoken_kernels.token_attention import token_attention as impl
+    else:
+        from vtoken.reference.token_attention import token_attention as impl
+    return impl(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr, scale=scale,
+                return_key_scores=return_key_scores, out=out)
