@@ -85,3 +85,67 @@ def token_attention(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr=None, *
         from vtoken.reference.token_attention import token_attention as impl
     return impl(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr, scale=scale,
                 return_key_scores=return_key_scores, out=out)
+
+
+# --- compact_kv ------------------------------------------------------------
+
+
+def compact_kv(kv_caches, layout, src_slots, dst_slots, *, validate=None) -> None:
+    """Relocate live tokens in the KV caches of every layer, in one launch (in place).
+
+    For each move ``m`` whose slots are not PAD, copies the rows of slot
+    ``src_slots[m]`` (K and V of every head, or the MLA latent) to slot
+    ``dst_slots[m]`` in every layer's cache, bit-exactly for any dtype.
+
+    Parameters
+    ----------
+    kv_caches : list[torch.Tensor]
+        One cache per layer, all with the same shape, strides, dtype (fp16,
+        bf16, fp32, fp8 e4m3/e5m2, uint8/int8) and device, e.g. vLLM's
+        ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``. K and V kept
+        in separate tensors are passed as separate list entries with a
+        ``num_kv=1`` layout.
+    layout : vtoken.layout.KVLayout
+        Describes each tensor (``KVLayout.from_tensor(kv_caches[0], name)``).
+    src_slots, dst_slots : torch.Tensor
+        int32 ``[M]`` on the caches' device, slots ``block * block_size + offset``.
+        A pair with a PAD (-1) side is skipped, so a fixed-size PAD-filled buffer
+        can be replayed in a CUDA graph.
+    validate : bool | None
+        Check the contract before copying: slots in ``[-1, num_slots)``,
+        destinations unique and disjoint from the sources. It syncs with the
+        device, so it is off unless ``True`` or ``VTOKEN_DEBUG_INVARIANTS=1``.
+        Violations raise ``InvalidArgumentError`` with every cache untouched.
+        Without validation, out-of-range moves are skipped and a contract
+        violation gives an unspecified result.
+
+    Example
+    -------
+    >>> import torch
+    >>> from vtoken.layout import KVLayout, kv_cache_shape
+    >>> from vtoken.ops import compact_kv
+    >>> caches = [torch.randn(kv_cache_shape("nhd", 4, 16, 2, 64)) for _ in range(3)]
+    >>> layout = KVLayout.from_tensor(caches[0], "nhd")
+    >>> src = torch.tensor([17, 40], dtype=torch.int32)
+    >>> dst = torch.tensor([0, 1], dtype=torch.int32)
+    >>> compact_kv(caches, layout, src, dst)
+    >>> bool(torch.equal(caches[2][0, :, 1], caches[2][2, :, 8]))
+    True
+
+    Backends: ``torch.ops.vtoken.compact_kv`` (CUDA kernel, or the C++ kernel
+    on CPU tensors) > Triton > :mod:`vtoken.reference.compact_kv`.
+    """
+    from vtoken.reference import compact_kv as ref
+
+    backend = select_backend("compact_kv", ref.cache_device(kv_caches))
+    if backend == "cuda":
+        ref.check_compact_kv_args(kv_caches, layout, src_slots, dst_slots, validate=validate)
+        torch.ops.vtoken.compact_kv(
+            list(kv_caches), src_slots.contiguous(), dst_slots.contiguous(), *ref.layout_op_args(layout)
+        )
+    elif backend == "triton":
+        from vtoken_kernels.compact_kv import compact_kv as impl
+
+        impl(kv_caches, layout, src_slots, dst_slots, validate=validate)
+    else:
+        ref.compact_kv(kv_caches, layout, src_slots, dst_slots, validate=validate)
