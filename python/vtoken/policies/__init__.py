@@ -1,0 +1,32 @@
+"""Token-level eviction policies behind one small contract (ARCHITECTURE §2, §7).
+
+``vtoken.policies.get(name, **cfg)`` builds a registered policy; ``available()``
+lists the names: ``h2o``, ``random``, ``scissorhands``, ``snapkv``,
+``streamingllm``, ``tova``. Each policy is one module of fewer than 50 lines
+whose docstring gives its definition and source. See :mod:`vtoken.policies.base`
+for the view, budgets and traces, and :mod:`vtoken.policies.scores` for the
+score sources.
+"""
+from vtoken.policies.base import (  # noqa: F401
+    Budget,
+    Decision,
+    EvictionPolicy,
+    PolicyView,
+    ReplayDivergenceError,
+    ReplayPolicy,
+    TraceRecorder,
+    available,
+    get,
+    lowest,
+    register,
+)
+from vtoken.policies.scores import ScoreAccumulator, accumulate_batch, window_key_scores  # noqa: F401
+
+# Importing the policy modules registers them.
+from vtoken.policies import h2o, random, scissorhands, snapkv, streamingllm, tova  # noqa: E402,F401
+from vtoken.policies.h2o import H2O  # noqa: E402,F401
+from vtoken.policies.random import RandomPolicy  # noqa: E402,F401
+from vtoken.policies.scissorhands import Scissorhands  # noqa: E402,F401
+from vtoken.policies.snapkv import SnapKV  # noqa: E402,F401
+from vtoken.policies.streamingllm import StreamingLLM  # noqa: E402,F401
+from vtoken.policies.tova import TOVA  # noqa: E402,F401

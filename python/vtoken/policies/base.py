@@ -1,0 +1,572 @@
+"""The eviction-policy contract: view, base class, budgets, registry and victim traces.
+
+A policy sits above the token table (ARCHITECTURE §2): it sees the logical
+token ids of ONE request (an id is the token's RoPE position and is never
+reused), never a block id, and answers one question per step::
+
+    victims = policy.select_victims(view)      # sorted unique int64 token ids
+    table.evict(req, victims)                   # the runtime frees storage later
+
+Example (runnable on CPU)::
+
+    >>> import numpy as np
+    >>> from vtoken import policies
+    >>> p = policies.get("streamingllm", sink=2, window=3)
+    >>> view = p.view(request_id=0, step=9, token_ids=np.arange(10))
+    >>> p.select_victims(view)                   # keep 0, 1 and 7, 8, 9
+    array([2, 3, 4, 5, 6])
+
+What every policy inherits from :class:`EvictionPolicy`:
+
+- **Budget.** ``budget`` is a :class:`Budget`: a ratio of the request's current
+  length (``seq_len``, all tokens appended so far, live or not), an absolute cap,
+  or both (the smaller wins). When the live count exceeds it, ``select_victims``
+  returns exactly enough victims to come back to it (TOVA: one per step, its
+  definition), unless protection leaves too few candidates: protection wins.
+  ``budget=None`` means "keep only the protected tokens" (``sink + window``).
+- **Protection.** The first ``sink`` positions, the last ``window`` positions and
+  the tokens of the current step (the newest ``view.num_new``) are never evicted.
+  The base class enforces this after every ``choose`` call, for every policy.
+- **Ties** go to the older token (smaller id) first, so decisions are a pure
+  function of the view: :func:`lowest` sorts stably over candidates in id order.
+
+A new policy is a dataclass with a ``choose(view, candidates, n)`` method; see
+``docs/policies.md`` and any of the six policy modules next to this one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import zlib
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Hashable, Iterable
+
+import numpy as np
+
+from vtoken.errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    InvariantViolation,
+    as_index_array,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vtoken.policies.scores import ScoreAccumulator
+
+__all__ = [
+    "Budget",
+    "Decision",
+    "EvictionPolicy",
+    "PolicyView",
+    "ReplayDivergenceError",
+    "ReplayPolicy",
+    "TraceRecorder",
+    "available",
+    "check_count",
+    "check_live_ids",
+    "get",
+    "is_member",
+    "lowest",
+    "register",
+    "request_seed",
+]
+
+
+class ReplayDivergenceError(InvalidArgumentError):
+    """A replayed run asked for a decision the trace does not hold, or a recorded victim is not live."""
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def check_count(arg: str, value, *, minimum: int = 0) -> int:
+    """Return ``value`` as a Python int >= ``minimum``, or raise naming ``arg``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InvalidTypeError(f"{arg}: expected an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise InvalidArgumentError(f"{arg}: expected an int >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_live_ids(arg: str, token_ids) -> np.ndarray:
+    """Return ``token_ids`` as a sorted unique non-negative int64 array, or raise naming ``arg``."""
+    ids = as_index_array(arg, token_ids)
+    if ids.size and (ids[0] < 0 or np.any(ids[1:] <= ids[:-1])):
+        bad = np.flatnonzero(ids[1:] <= ids[:-1])
+        where = f"ids[{bad[0]}:{bad[0] + 2}] = {ids[bad[0]:bad[0] + 2].tolist()}" if bad.size else f"ids[0] = {ids[0]}"
+        raise InvalidArgumentError(
+            f"{arg}: expected strictly increasing non-negative token ids (the live ids in logical order), got {where}"
+        )
+    return ids
+
+
+def is_member(sorted_ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Bool mask: which ``values`` occur in the sorted array ``sorted_ids`` (O(m log n))."""
+    if sorted_ids.size == 0:
+        return np.zeros(values.shape, dtype=bool)
+    pos = np.minimum(np.searchsorted(sorted_ids, values), sorted_ids.size - 1)
+    return sorted_ids[pos] == values
+
+
+def request_seed(request_id: Hashable) -> int:
+    """A process-independent non-negative int for ``request_id`` (``hash(str)`` is salted per process)."""
+    if isinstance(request_id, (int, np.integer)) and not isinstance(request_id, bool) and request_id >= 0:
+        return int(request_id)
+    return zlib.crc32(repr(request_id).encode())
+
+
+# --------------------------------------------------------------------------- budget
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many tokens a request may keep live.
+
+    ``ratio`` keeps ``floor(ratio * seq_len)`` tokens of the request's current
+    length (all tokens appended so far); ``cap`` keeps at most ``cap`` tokens.
+    Give one or both; with both, the smaller bound applies.
+
+    >>> Budget(ratio=0.25).resolve(10), Budget(cap=4).resolve(10), Budget(0.5, 4).resolve(100)
+    (2, 4, 4)
+    """
+
+    ratio: float | None = None
+    cap: int | None = None
+
+    def __post_init__(self):
+        if self.ratio is None and self.cap is None:
+            raise InvalidArgumentError("budget: expected a ratio in (0, 1) and/or a cap >= 1, got neither")
+        if self.ratio is not None:
+            r = self.ratio
+            if isinstance(r, (bool, np.bool_)) or not isinstance(r, (float, int, np.floating, np.integer)):
+                raise InvalidTypeError(f"budget.ratio: expected a float in (0, 1), got {r!r}")
+            if not (0.0 < float(r) < 1.0):
+                raise InvalidArgumentError(f"budget.ratio: expected a float in (0, 1), got {r!r}")
+            object.__setattr__(self, "ratio", float(r))
+        if self.cap is not None:
+            object.__setattr__(self, "cap", check_count("budget.cap", self.cap, minimum=1))
+
+    @classmethod
+    def of(cls, value) -> "Budget":
+        """Coerce a config value: a float is a ratio, an int a cap, a dict/Budget is taken as is."""
+        if isinstance(value, Budget):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"ratio", "cap"})
+            if unknown:
+                raise InvalidArgumentError(f"budget: expected keys 'ratio' and/or 'cap', got {unknown}")
+            return cls(**value)
+        if isinstance(value, (float, np.floating)):
+            return cls(ratio=float(value))
+        if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+            return cls(cap=int(value))
+        raise InvalidTypeError(
+            f"budget: expected a float ratio in (0, 1), an int cap >= 1, a dict or a Budget, got {value!r}"
+        )
+
+    def resolve(self, seq_len: int) -> int:
+        """The number of live tokens allowed for a request of ``seq_len`` tokens."""
+        seq_len = check_count("seq_len", seq_len)
+        # NOTE: round before floor so that 0.29 * 100 keeps 29 tokens, not 28 (float error).
+        keep = seq_len if self.ratio is None else math.floor(round(self.ratio * seq_len, 9))
+        return keep if self.cap is None else min(keep, self.cap)
+
+    def to_json(self) -> dict:
+        return {"ratio": self.ratio, "cap": self.cap}
+
+
+# --------------------------------------------------------------------------- view
+
+
+@dataclass(frozen=True, eq=False)
+class PolicyView:
+    """Everything a policy may look at for one request at one step (never a block id).
+
+    Parameters
+    ----------
+    request_id : hashable
+        The request (int or str for traces that are saved as JSON).
+    step : int
+        The runtime's step counter; traces key decisions by ``(request_id, step)``.
+    token_ids : int64 array [n_live]
+        The live token ids in logical order (strictly increasing). An id is also
+        the token's logical (RoPE) position; see :attr:`positions`.
+    seq_len : int
+        Tokens appended to the request so far (the next id); budget ratios apply to it.
+    budget : int
+        The live count the policy should come back to.
+    num_new : int
+        The newest ``num_new`` positions are the current step's tokens; never evicted.
+    scores : ScoreAccumulator, optional
+        Exact attention scores of this request (H2O, Scissorhands, TOVA).
+    window_scores : float array [n_live] or [n_live, H], optional
+        Votes of a query window on each live key, aligned with ``token_ids``
+        (SnapKV; see :func:`vtoken.policies.scores.window_key_scores`).
+    """
+
+    request_id: Hashable
+    step: int
+    token_ids: np.ndarray
+    seq_len: int
+    budget: int
+    num_new: int = 1
+    scores: "ScoreAccumulator | None" = None
+    window_scores: Any = None
+
+    def __post_init__(self):
+        ids = check_live_ids("token_ids", self.token_ids)
+        object.__setattr__(self, "token_ids", ids)
+        object.__setattr__(self, "step", check_count("step", self.step))
+        min_len = int(ids[-1]) + 1 if ids.size else 0
+        object.__setattr__(self, "seq_len", check_count("seq_len", self.seq_len, minimum=min_len))
+        object.__setattr__(self, "budget", check_count("budget", self.budget))
+        object.__setattr__(self, "num_new", check_count("num_new", self.num_new))
+        if self.window_scores is not None:
+            from vtoken.policies.scores import as_numpy_scores
+
+            ws = as_numpy_scores("window_scores", self.window_scores)
+            if ws.ndim == 1:
+                ws = ws[:, None]
+            if ws.ndim != 2 or ws.shape[0] != ids.size:
+                raise InvalidArgumentError(
+                    f"window_scores: expected shape [{ids.size}] or [{ids.size}, H] (one row per live token), "
+                    f"got {tuple(ws.shape)}"
+                )
+            object.__setattr__(self, "window_scores", ws)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Logical (RoPE) positions of the live tokens: identical to ``token_ids`` by design."""
+        return self.token_ids
+
+    @property
+    def live_count(self) -> int:
+        return int(self.token_ids.size)
+
+    def require_scores(self, who: str) -> "ScoreAccumulator":
+        """The view's :class:`ScoreAccumulator`, or a clear error naming the policy that needs it."""
+        if self.scores is None:
+            raise InvalidArgumentError(
+                f"view.scores: expected a ScoreAccumulator ({who} ranks tokens by attention; create one per request "
+                f"with policy.make_accumulator() and feed it token_attention key scores), got None"
+            )
+        return self.scores
+
+
+# --------------------------------------------------------------------------- policy
+
+
+def lowest(candidates: np.ndarray, priority, n: int) -> np.ndarray:
+    """The ``n`` candidates with the lowest ``priority``; ties go to the older (smaller id) token.
+
+    ``candidates`` is sorted ascending, so a stable sort breaks ties by id.
+    """
+    priority = np.asarray(priority)
+    if priority.shape != candidates.shape:
+        raise InvariantViolation(f"priority: expected shape {candidates.shape}, got {priority.shape}")
+    return candidates[np.argsort(priority, kind="stable")[:n]]
+
+
+@dataclass
+class EvictionPolicy:
+    """Base class: budget, protection and validation; subclasses implement :meth:`choose`.
+
+    Fields (every policy): ``budget`` (see :class:`Budget`; a float is a ratio,
+    an int a cap, ``None`` keeps only the protected tokens), ``window`` (protected
+    most recent positions) and ``sink`` (protected first positions).
+    """
+
+    name: ClassVar[str] = ""
+    #: Where the policy's scores come from (ARCHITECTURE §7): "exact" (a
+    #: ScoreAccumulator in ``view.scores``), "window" (``view.window_scores``) or "none".
+    score_source: ClassVar[str] = "none"
+
+    budget: Any = 0.5
+    window: int = 32
+    sink: int = 0
+
+    def __post_init__(self):
+        self.window = check_count(f"{self.name}.window", self.window)
+        self.sink = check_count(f"{self.name}.sink", self.sink)
+        if self.budget is None:
+            if self.sink + self.window == 0:
+                raise InvalidArgumentError(f"{self.name}.budget: expected a budget when sink + window == 0, got None")
+            self.budget = Budget(cap=self.sink + self.window)
+        self.budget = Budget.of(self.budget)
+
+    # -- to implement ---------------------------------------------------------
+    def choose(self, view: PolicyView, candidates: np.ndarray, n: int) -> np.ndarray:
+        """Return at most ``n`` victims among ``candidates`` (sorted unprotected live ids), ``1 <= n <= len``."""
+        raise NotImplementedError(f"{type(self).__name__}.choose")
+
+    # -- provided -------------------------------------------------------------
+    def view(self, request_id: Hashable, step: int, token_ids, *, seq_len: int | None = None, num_new: int = 1,
+             scores: "ScoreAccumulator | None" = None, window_scores=None) -> PolicyView:
+        """Build the :class:`PolicyView` for one request, resolving this policy's budget.
+
+        ``seq_len`` defaults to ``token_ids[-1] + 1`` (nothing evicted at the tail).
+        """
+        ids = check_live_ids("token_ids", token_ids)
+        if seq_len is None:
+            seq_len = int(ids[-1]) + 1 if ids.size else 0
+        return PolicyView(request_id, step, ids, seq_len, self.budget.resolve(seq_len), num_new, scores, window_scores)
+
+    def make_accumulator(self) -> "ScoreAccumulator | None":
+        """A fresh per-request score accumulator when the policy ranks by exact scores, else None."""
+        if self.score_source != "exact":
+            return None
+        from vtoken.policies.scores import ScoreAccumulator
+
+        return ScoreAccumulator(history=getattr(self, "history", 0))
+
+    def recent_start(self, view: PolicyView) -> int:
+        """First position of the protected tail (recent window and current step)."""
+        return view.seq_len - max(self.window, view.num_new)
+
+    def protected(self, view: PolicyView) -> np.ndarray:
+        """Bool mask over ``view.token_ids``: sink, recent window or current step."""
+        return (view.token_ids < self.sink) | (view.token_ids >= self.recent_start(view))
+
+    def select_victims(self, view: PolicyView) -> np.ndarray:
+        """Token ids to evict now: sorted unique int64, never protected, never more than the excess."""
+        if not isinstance(view, PolicyView):
+            raise InvalidTypeError(f"view: expected a PolicyView, got {type(view).__name__}")
+        excess = view.live_count - view.budget
+        if excess <= 0:
+            return np.zeros(0, dtype=np.int64)
+        candidates = view.token_ids[~self.protected(view)]
+        if candidates.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        n = min(excess, int(candidates.size))
+        victims = np.unique(as_index_array(f"{self.name}.choose", self.choose(view, candidates, n)))
+        # NOTE: this check is what makes rule 4 ("never evict the current step or a
+        # protected token") hold for every policy, including user-written ones.
+        ok = is_member(candidates, victims)
+        if victims.size > n or not ok.all():
+            raise InvariantViolation(
+                f"{self.name}.choose: expected at most {n} ids among the unprotected live tokens, "
+                f"got {victims.size} ids including {victims[~ok][:8].tolist()}"
+            )
+        return victims
+
+    def config(self) -> dict:
+        """JSON-ready config (``get(p.name, **p.config())`` rebuilds the policy)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["budget"] = self.budget.to_json()
+        return out
+
+
+# --------------------------------------------------------------------------- registry
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register(name: str):
+    """Class decorator: make a policy available as ``vtoken.policies.get(name)``."""
+
+    def deco(cls):
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise InvalidArgumentError(f"policy name: expected a new name, got {name!r} (already registered)")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def available() -> list[str]:
+    """Registered policy names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get(name: str, **cfg) -> EvictionPolicy:
+    """Build the policy registered as ``name`` with config ``cfg`` (every key has a default).
+
+    >>> get("h2o", budget=0.25, window=8).budget
+    Budget(ratio=0.25, cap=None)
+    """
+    if not isinstance(name, str):
+        raise InvalidTypeError(f"policy: expected a name (str), got {type(name).__name__}")
+    cls = _REGISTRY.get(name.lower())
+    if cls is None:
+        raise InvalidArgumentError(f"policy: expected one of {available()}, got {name!r}")
+    fields = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(cfg) - set(fields))
+    if unknown:
+        raise InvalidArgumentError(f"{cls.name}: expected config keys among {fields}, got unknown {unknown}")
+    return cls(**cfg)
+
+
+# --------------------------------------------------------------------------- traces
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One recorded decision: at ``step``, request ``request_id`` evicted ``token_ids``."""
+
+    step: int
+    request_id: Hashable
+    token_ids: tuple
+
+    def to_json(self) -> dict:
+        rid = self.request_id
+        if isinstance(rid, bool) or not isinstance(rid, (int, str)):
+            raise InvalidTypeError(f"request_id: expected int or str for a JSON trace, got {rid!r}")
+        return {"step": self.step, "request": rid, "victims": list(self.token_ids)}
+
+
+class TraceRecorder:
+    """Records every decision of a policy, to replay it in paired runs (ARCHITECTURE §6).
+
+    Use it in place of the policy: ``rec = TraceRecorder(policy)``; then
+    ``rec.select_victims(view)`` decides, records ``(step, request, victims)``
+    (empty decisions included, so a replay can check it is asked the same
+    questions) and returns the victims. ``rec.save(path)`` writes JSON;
+    ``TraceRecorder.load(path)`` reads it back (without a policy).
+    """
+
+    FORMAT = "vtoken-victim-trace"
+    VERSION = 1
+
+    def __init__(self, policy: EvictionPolicy | None = None, *, meta: dict | None = None):
+        self.policy = policy
+        self.meta = dict(meta or {})
+        if policy is not None:
+            self.meta.setdefault("policy", policy.name)
+            self.meta.setdefault("config", policy.config())
+        self.decisions: list[Decision] = []
+
+    def __len__(self) -> int:
+        return len(self.decisions)
+
+    @property
+    def name(self) -> str:
+        return self.policy.name if self.policy is not None else "trace"
+
+    @property
+    def score_source(self) -> str:
+        return self.policy.score_source if self.policy is not None else "none"
+
+    def _policy(self) -> EvictionPolicy:
+        if self.policy is None:
+            raise InvalidArgumentError("TraceRecorder.policy: expected a policy to record, got None (a loaded trace)")
+        return self.policy
+
+    def view(self, *args, **kwargs) -> PolicyView:
+        return self._policy().view(*args, **kwargs)
+
+    def make_accumulator(self):
+        return self._policy().make_accumulator()
+
+    def record(self, step: int, request_id: Hashable, token_ids) -> Decision:
+        """Append one decision (victims are stored sorted and unique)."""
+        ids = check_live_ids("token_ids", np.unique(as_index_array("token_ids", token_ids)))
+        rid = int(request_id) if isinstance(request_id, np.integer) else request_id
+        d = Decision(check_count("step", step), rid, tuple(int(i) for i in ids))
+        self.decisions.append(d)
+        return d
+
+    def select_victims(self, view: PolicyView) -> np.ndarray:
+        victims = self._policy().select_victims(view)
+        self.record(view.step, view.request_id, victims)
+        return victims
+
+    def to_json(self) -> dict:
+        return {"format": self.FORMAT, "version": self.VERSION, "meta": self.meta,
+                "decisions": [d.to_json() for d in self.decisions]}
+
+    def save(self, path: str | os.PathLike) -> None:
+        payload = self.to_json()  # validate everything before touching the file
+        with open(path, "w") as f:
+            json.dump(payload, f, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, payload: dict) -> "TraceRecorder":
+        if not isinstance(payload, dict):
+            raise InvalidArgumentError(f"trace: expected a JSON object, got {type(payload).__name__}")
+        if payload.get("format") != cls.FORMAT:
+            raise InvalidArgumentError(f"trace.format: expected {cls.FORMAT!r}, got {payload.get('format')!r}")
+        if payload.get("version") != cls.VERSION:
+            raise InvalidArgumentError(f"trace.version: expected {cls.VERSION}, got {payload.get('version')!r}")
+        rec = cls(meta=payload.get("meta") or {})
+        for i, d in enumerate(payload.get("decisions", [])):
+            try:
+                rec.record(d["step"], d["request"], np.asarray(d["victims"], dtype=np.int64))
+            except (KeyError, TypeError) as e:
+                raise InvalidArgumentError(f"trace.decisions[{i}]: expected step/request/victims, got {d!r}") from e
+        return rec
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "TraceRecorder":
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+
+class ReplayPolicy:
+    """Replays a recorded trace exactly: the same victims for the same ``(request, step)``.
+
+    Drop-in for a policy in the paired Native / Naive-Evict / vToken runs. It
+    raises :class:`ReplayDivergenceError` when the run diverges from the trace:
+    a ``(request, step)`` with no decision left (``strict=True``), or a recorded
+    victim that is not live in the view. :meth:`check_complete` verifies at the
+    end that every recorded decision was replayed.
+    """
+
+    name = "replay"
+    score_source = "none"
+
+    def __init__(self, trace: TraceRecorder | Iterable[Decision] | str | os.PathLike, *, strict: bool = True):
+        if isinstance(trace, (str, os.PathLike)):
+            trace = TraceRecorder.load(trace)
+        decisions = trace.decisions if isinstance(trace, TraceRecorder) else list(trace)
+        self.strict = bool(strict)
+        self.meta = dict(trace.meta) if isinstance(trace, TraceRecorder) else {}
+        self._pending: dict[tuple, deque] = {}
+        for d in decisions:
+            if not isinstance(d, Decision):
+                raise InvalidTypeError(f"trace: expected Decision entries, got {type(d).__name__}")
+            self._pending.setdefault((d.request_id, d.step), deque()).append(d)
+
+    def view(self, request_id: Hashable, step: int, token_ids, *, seq_len: int | None = None, num_new: int = 1,
+             scores=None, window_scores=None) -> PolicyView:
+        ids = check_live_ids("token_ids", token_ids)
+        seq_len = (int(ids[-1]) + 1 if ids.size else 0) if seq_len is None else seq_len
+        return PolicyView(request_id, step, ids, seq_len, ids.size, num_new, scores, window_scores)
+
+    def make_accumulator(self) -> None:
+        return None
+
+    def select_victims(self, view: PolicyView) -> np.ndarray:
+        if not isinstance(view, PolicyView):
+            raise InvalidTypeError(f"view: expected a PolicyView, got {type(view).__name__}")
+        queue = self._pending.get((view.request_id, view.step))
+        if not queue:
+            if self.strict:
+                raise ReplayDivergenceError(
+                    f"replay: expected a recorded decision for request {view.request_id!r} at step {view.step}, "
+                    f"got none left (the run diverged from the trace)"
+                )
+            return np.zeros(0, dtype=np.int64)
+        victims = np.asarray(queue[0].token_ids, dtype=np.int64)
+        ok = is_member(view.token_ids, victims)
+        if not np.all(ok):
+            raise ReplayDivergenceError(
+                f"replay: expected recorded victims of request {view.request_id!r} at step {view.step} to be live, "
+                f"got {victims[~ok][:8].tolist()} not live (the run diverged from the trace)"
+            )
+        queue.popleft()
+        return victims
+
+    def remaining(self) -> list[Decision]:
+        """Recorded decisions not replayed yet."""
+        return [d for q in self._pending.values() for d in q]
+
+    def check_complete(self) -> None:
+        left = self.remaining()
+        if left:
+            raise ReplayDivergenceError(
+                f"replay: expected every recorded decision to be replayed, got {len(left)} left, first {left[0]}"
+            )
