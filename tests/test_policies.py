@@ -420,6 +420,19 @@ def test_all_policies_deterministic():
         assert policy.select_victims(a).tolist() == policy.select_victims(b).tolist()
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    prio=st.lists(st.one_of(st.integers(0, 4).map(float), st.just(float("nan")), st.just(float("inf"))), max_size=40),
+    n=st.integers(0, 45),
+)
+def test_lowest_equals_a_stable_sort(prio, n):
+    """Partition-based selection == "sort by (priority, id), NaN last, take n"."""
+    cands = np.arange(len(prio), dtype=np.int64) * 3 + 1
+    key = [(math.isnan(p), p if not math.isnan(p) else 0.0, int(c)) for p, c in zip(prio, cands)]
+    expect = sorted(c for *_, c in sorted(key)[:n])
+    assert sorted(P.lowest(cands, np.array(prio, dtype=np.float64), n).tolist()) == expect
+
+
 def test_rogue_policy_cannot_evict_protected_tokens():
     class Rogue(P.EvictionPolicy):
         def choose(self, view, candidates, n):
@@ -797,3 +810,36 @@ def test_docstring_examples_run(module):
     assert failures == 0
     if module in (policy_base, policy_scores, P.h2o, P.streamingllm):
         assert tried > 0
+
+
+# --------------------------------------------------------------------------- contract with token_attention
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_token_attention_key_scores_feed_the_accumulator(prefill):
+    """token_attention's key_scores (torch reference) == the window scorer on the same live keys."""
+    ref = pytest.importorskip("vtoken.reference.token_attention")
+    from vtoken.layout import KVLayout, kv_cache_shape
+
+    hq, hkv, d, bs, nb = 4, 2, 16, 4, 8
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(kv_cache_shape("nhd", nb, bs, hkv, d), generator=g)
+    layout = KVLayout.from_tensor(cache, "nhd")
+    slots = torch.randperm(nb * bs, generator=g)
+    lives = [np.array([0, 2, 3, 5, 7, 8]), np.array([1, 4, 6])]  # live ids (holes = evicted tokens)
+    per_req = [slots[:6], slots[6:9]]
+    n_new = [3, 1] if prefill else [1, 1]
+    kv_indices = torch.cat(per_req + [torch.full((5,), -1)]).to(torch.int32)  # PAD tail past kv_indptr[-1]
+    kv_indptr = torch.tensor([0, 6, 9], dtype=torch.int32)
+    q_indptr = torch.tensor([0, n_new[0], n_new[0] + n_new[1]], dtype=torch.int32) if prefill else None
+    q = torch.randn(sum(n_new), hq, d, generator=g)
+    _, ks = ref.token_attention(q, cache, layout, kv_indices, kv_indptr, q_indptr, return_key_scores=True)
+    accs = [ScoreAccumulator(), ScoreAccumulator()]
+    accumulate_batch(accs, lives, ks, kv_indptr)
+    q_off = 0
+    for r, (ids, sl) in enumerate(zip(lives, per_req)):
+        keys = cache[sl // bs, 0, sl % bs]  # [n_live, hkv, d]
+        win = window_key_scores(q[q_off: q_off + n_new[r]], keys, key_ids=ids)
+        q_off += n_new[r]
+        torch.testing.assert_close(ks[int(kv_indptr[r]): int(kv_indptr[r + 1])], win, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(accs[r].accumulated(ids), win.double().sum(1).numpy(), rtol=1e-5)

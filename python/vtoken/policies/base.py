@@ -262,12 +262,23 @@ class PolicyView:
 def lowest(candidates: np.ndarray, priority, n: int) -> np.ndarray:
     """The ``n`` candidates with the lowest ``priority``; ties go to the older (smaller id) token.
 
-    ``candidates`` is sorted ascending, so a stable sort breaks ties by id.
+    ``candidates`` is sorted ascending, so among equal priorities the first
+    positions are the oldest tokens. NaN ranks last (never chosen before a number).
+    O(len) with a partition instead of a full sort: a steady decode step evicts
+    one token out of thousands.
     """
-    priority = np.asarray(priority)
+    priority = np.asarray(priority, dtype=np.float64)
     if priority.shape != candidates.shape:
         raise InvariantViolation(f"priority: expected shape {candidates.shape}, got {priority.shape}")
-    return candidates[np.argsort(priority, kind="stable")[:n]]
+    if n >= candidates.size:
+        return candidates
+    if n <= 0:
+        return candidates[:0]
+    priority = np.where(np.isnan(priority), np.inf, priority)
+    kth = np.partition(priority, n - 1)[n - 1]
+    below = np.flatnonzero(priority < kth)
+    ties = np.flatnonzero(priority == kth)[: n - below.size]  # the oldest of the tied tokens
+    return candidates[np.concatenate([below, ties])]
 
 
 @dataclass
@@ -326,9 +337,11 @@ class EvictionPolicy:
         """First position of the protected tail (recent window and current step)."""
         return view.seq_len - max(self.window, view.num_new)
 
-    def protected(self, view: PolicyView) -> np.ndarray:
-        """Bool mask over ``view.token_ids``: sink, recent window or current step."""
-        return (view.token_ids < self.sink) | (view.token_ids >= self.recent_start(view))
+    def candidates(self, view: PolicyView) -> np.ndarray:
+        """The unprotected live ids (sorted): a slice, since the protected ids are a prefix and a suffix."""
+        ids = view.token_ids
+        lo, hi = np.searchsorted(ids, [self.sink, max(self.recent_start(view), self.sink)])
+        return ids[lo:hi]
 
     def select_victims(self, view: PolicyView) -> np.ndarray:
         """Token ids to evict now: sorted unique int64, never protected, never more than the excess."""
@@ -337,7 +350,7 @@ class EvictionPolicy:
         excess = view.live_count - view.budget
         if excess <= 0:
             return np.zeros(0, dtype=np.int64)
-        candidates = view.token_ids[~self.protected(view)]
+        candidates = self.candidates(view)
         if candidates.size == 0:
             return np.zeros(0, dtype=np.int64)
         n = min(excess, int(candidates.size))
@@ -347,8 +360,8 @@ class EvictionPolicy:
         ok = is_member(candidates, victims)
         if victims.size > n or not ok.all():
             raise InvariantViolation(
-                f"{self.name}.choose: expected at most {n} ids among the unprotected live tokens, "
-                f"got {victims.size} ids including {victims[~ok][:8].tolist()}"
+                f"{self.name}.choose: expected at most {n} ids among the unprotected live tokens, got "
+                f"{victims.size} ids, {int((~ok).sum())} protected or not live: {victims[~ok][:8].tolist()}"
             )
         return victims
 

@@ -63,30 +63,42 @@ from vtoken.policies.base import check_count, check_live_ids
 __all__ = ["ScoreAccumulator", "accumulate_batch", "as_numpy_scores", "window_key_scores"]
 
 
-def as_numpy_scores(arg: str, scores) -> np.ndarray:
-    """A torch tensor (any device, any float dtype) or array as a finite, non-negative float64 numpy array."""
+def _as_array(arg: str, scores) -> np.ndarray:
+    """A torch tensor (any device, any float dtype; one host copy) or array-like as a real numpy array."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(scores, torch.Tensor):
-        if not (scores.dtype.is_floating_point):
+        if not scores.dtype.is_floating_point:
             raise InvalidTypeError(f"{arg}: expected a floating-point tensor, got {scores.dtype}")
         scores = scores.detach().to("cpu", torch.float32).numpy()
     arr = np.asarray(scores)
-    if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
+    if arr.dtype.kind not in "fiu":
         raise InvalidTypeError(f"{arg}: expected real-valued scores, got dtype {arr.dtype}")
-    arr = arr.astype(np.float64, copy=False)
-    if not np.all(np.isfinite(arr)) or (arr.size and arr.min() < 0):
+    return arr
+
+
+def _check_values(arg: str, arr: np.ndarray, sums: np.ndarray) -> None:
+    # NaN and inf survive summation, so checking the sums covers the inputs; a negative entry might not.
+    if not np.isfinite(sums).all() or (arr.size and arr.min() < 0):
         raise InvalidArgumentError(f"{arg}: expected finite non-negative attention scores, got NaN, inf or < 0")
+
+
+def as_numpy_scores(arg: str, scores) -> np.ndarray:
+    """A torch tensor or array as a finite, non-negative float64 numpy array."""
+    arr = _as_array(arg, scores).astype(np.float64, copy=False)
+    _check_values(arg, arr, arr)
     return arr
 
 
 def _row_scores(arg: str, scores, n: int) -> np.ndarray:
-    """Per-token score [n]: a 1-D input as is, a 2-D input summed over its last axis (kv heads)."""
-    arr = as_numpy_scores(arg, scores)
+    """Per-token score [n] in float64: a 1-D input as is, a 2-D input summed over its last axis (kv heads)."""
+    arr = _as_array(arg, scores)
     if arr.ndim not in (1, 2):
         raise InvalidTypeError(f"{arg}: expected shape [n_live] or [n_live, num_kv_heads], got {tuple(arr.shape)}")
     if arr.shape[0] != n:
         raise InvalidArgumentError(f"{arg}: expected {n} rows (one per live token), got {arr.shape[0]}")
-    return arr if arr.ndim == 1 else arr.sum(axis=1)
+    s = arr.astype(np.float64) if arr.ndim == 1 else arr.sum(axis=1, dtype=np.float64)
+    _check_values(arg, arr, s)
+    return s
 
 
 class ScoreAccumulator:
