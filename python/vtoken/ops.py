@@ -149,3 +149,113 @@ def compact_kv(kv_caches, layout, src_slots, dst_slots, *, validate=None) -> Non
         impl(kv_caches, layout, src_slots, dst_slots, validate=validate)
     else:
         ref.compact_kv(kv_caches, layout, src_slots, dst_slots, validate=validate)
+
+
+# --- build_slot_lists / append_slot_lists / block_live_counts ----------------
+
+
+def build_slot_lists(slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr, slot_mapping,
+                     num_reqs=None) -> None:
+    """Rebuild a batch's attention inputs from the device mirror, in place (no host sync).
+
+    Inputs: int32 ``slots[T]`` and int8/bool ``alive[T]`` (the batch's requests'
+    tokens, concatenated in logical order), int32/int64 ``mirror_offsets[>=
+    num_reqs+1]`` (request ``r`` is ``[offsets[r], offsets[r+1])``), int32/int64
+    ``new_token_counts[>= num_reqs]`` (each request's last tokens that are new).
+    Outputs, overwritten at fixed addresses: int32 ``kv_indices[nnz_max]`` (live
+    slots, packed per request, PAD tail), int32 ``kv_indptr[max_reqs+1]``
+    (exclusive prefix of live counts, the total repeated past ``num_reqs``),
+    int32 ``slot_mapping[max_tokens]`` (new tokens' slots, PAD tail).
+    ``num_reqs`` defaults to ``len(mirror_offsets) - 1``. Contract (capacity
+    included) and overflow behaviour: :mod:`vtoken.reference.build_slot_lists`;
+    checked on the host for CPU tensors or under ``VTOKEN_DEBUG_INVARIANTS=1``.
+
+    Example
+    -------
+    >>> import torch
+    >>> from vtoken.ops import build_slot_lists
+    >>> slots = torch.tensor([5, 6, 7, 20, 21], dtype=torch.int32)
+    >>> alive = torch.tensor([1, 0, 1, 1, 1], dtype=torch.int8)
+    >>> offsets = torch.tensor([0, 3, 5])
+    >>> new = torch.tensor([1, 1])
+    >>> idx, ip, sm = (torch.empty(6, dtype=torch.int32), torch.empty(4, dtype=torch.int32),
+    ...                torch.empty(3, dtype=torch.int32))
+    >>> build_slot_lists(slots, alive, offsets, new, idx, ip, sm)
+    >>> idx.tolist(), ip.tolist(), sm.tolist()
+    ([5, 7, 20, 21, -1, -1], [0, 2, 4, 4], [7, 21, -1])
+
+    Backends: ``torch.ops.vtoken.build_slot_lists`` (CUDA, or C++ on CPU
+    tensors) > Triton > :mod:`vtoken.reference.build_slot_lists`.
+    """
+    _slot_lists("build_slot_lists", slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr,
+                slot_mapping, num_reqs)
+
+
+def append_slot_lists(slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr, slot_mapping,
+                      num_reqs=None) -> None:
+    """Append-only fast path of :func:`build_slot_lists`; same arguments, same result.
+
+    Precondition: the buffers hold a build over the same requests (new ones may
+    follow at the end) and since then request ``r`` only appended its last
+    ``new_token_counts[r]`` tokens (no eviction, no move, no removal).
+    ``mirror_offsets`` / ``new_token_counts`` describe the mirror after the
+    appends. Cost: O(appended + requests) when no segment has to shift, else one
+    read + write of every entry behind the first appending request (see
+    :mod:`vtoken_kernels.build_slot_lists`). Under ``VTOKEN_DEBUG_INVARIANTS=1``
+    the precondition is verified on the host first (a sync).
+    """
+    _slot_lists("append_slot_lists", slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr,
+                slot_mapping, num_reqs)
+
+
+def _slot_lists(op, slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr, slot_mapping, num_reqs):
+    from vtoken.reference import build_slot_lists as ref
+
+    args = (slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr, slot_mapping)
+    n = ref.validate_slot_list_args(*args, num_reqs)
+    if op == "append_slot_lists" and ref.debug_checks_enabled() and not ref._capturing(slots.device):
+        ref.validate_append_precondition(slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr, n)
+    backend = select_backend(op, slots.device)
+    if backend == "cuda":
+        getattr(torch.ops.vtoken, op)(*args, n)
+    elif backend == "triton":
+        import vtoken_kernels.build_slot_lists as impl
+
+        getattr(impl, op)(*args, n, content_checks=False)
+    else:
+        getattr(ref, op)(*args, n, content_checks=False)
+
+
+def block_live_counts(slots, alive, num_blocks: int, block_size: int, allocated=None):
+    """Live tokens per physical block and the waste ratio F, without a host sync.
+
+    ``slots[T]`` int32, ``alive[T]`` int8/bool; ``allocated[num_blocks]``
+    bool/int8 or ``None`` (every block). Returns ``(counts, F)``: int32
+    ``counts[num_blocks]`` (PAD and out-of-range slots skipped) and a 0-dim
+    float32 ``F = 1 - sum(counts[allocated]) / (num_allocated * block_size)``
+    on the input's device. Semantics: :mod:`vtoken.reference.block_live_counts`.
+
+    Example
+    -------
+    >>> import torch
+    >>> from vtoken.ops import block_live_counts
+    >>> slots = torch.tensor([0, 1, 17, -1], dtype=torch.int32)
+    >>> alive = torch.tensor([True, False, True, True])
+    >>> counts, f = block_live_counts(slots, alive, num_blocks=2, block_size=16)
+    >>> counts.tolist(), round(float(f), 4)
+    ([1, 1], 0.9375)
+
+    Backends: ``torch.ops.vtoken.block_live_counts`` > Triton > reference.
+    """
+    from vtoken.reference import block_live_counts as ref
+
+    ref.validate_block_live_counts_args(slots, alive, num_blocks, block_size, allocated)
+    backend = select_backend("block_live_counts", slots.device)
+    if backend == "cuda":
+        counts, f = torch.ops.vtoken.block_live_counts(slots, alive, allocated, num_blocks, block_size)
+        return counts, f
+    if backend == "triton":
+        from vtoken_kernels.block_live_counts import block_live_counts as impl
+    else:
+        impl = ref.block_live_counts
+    return impl(slots, alive, num_blocks, block_size, allocated, content_checks=False)
