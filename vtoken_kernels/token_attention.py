@@ -306,7 +306,10 @@ def _token_attention_key_scores_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
-    """key_scores[j, g] = sum over the request's query rows of exp2(s - lse). Grid: (num_reqs, num_kv_heads, num_splits)."""
+    """key_scores[j, g] = sum over the request's query rows of exp2(s - lse).
+
+    Grid: (num_reqs, num_kv_heads, num_splits).
+    """
     req = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -366,7 +369,8 @@ def _token_attention_key_scores_kernel(
 def _token_attention_kernel(
     # Inputs
     q_ptr,  # [num_q_tokens, num_q_heads, HEAD_DIM] (strides stride_qt, stride_qh, 1)
-    kv_ptr,  # one layer's cache: (slot, kv, head, d) at block*stride_block + off*stride_offset + kv*stride_kv + head*stride_head + d
+    kv_ptr,  # one layer's cache: (slot, kv, head, d) at block*stride_block + off*stride_offset
+    #          + kv*stride_kv + head*stride_head + d  (block, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE)
     kv_indices_ptr,  # [nnz_max] int32 slots, PAD -1
     kv_indptr_ptr,  # [num_reqs + 1] int32
     q_indptr_ptr,  # [num_reqs + 1] int32 (prefill; unused when IS_DECODE)

@@ -144,7 +144,9 @@ def validate_token_attention_args(
     if out is not None:
         check_tensor("out", out, dtype=q.dtype, shape=tuple(q.shape), device=q.device)
         if out.stride(2) != 1:
-            raise InvalidArgumentError(f"out: expected a contiguous last dim (stride 1), got strides {tuple(out.stride())}")
+            raise InvalidArgumentError(
+                f"out: expected a contiguous last dim (stride 1), got strides {tuple(out.stride())}"
+            )
     nnz_max = kv_indices.numel()
 
     if content_checks is None:
@@ -265,22 +267,20 @@ def token_attention(
         # NOTE: zero the masked rows so a NaN/Inf in the (unread) slot 0 cannot leak through 0 * NaN.
         k = torch.where(valid[:, None, None], k, 0)
         v = torch.where(valid[:, None, None], v, 0)
-        k = k.repeat_interleave(a.group, dim=1)  # [n_live, Hq, D]
-        v = v.repeat_interleave(a.group, dim=1)
-        qr = q[q0:q1].to(compute_dtype)  # [n_new, Hq, D]
-        s = torch.einsum("ihd,jhd->hij", qr, k) * a.scale  # [Hq, n_new, n_live]
+        qr = q[q0:q1].to(compute_dtype).reshape(n_new, a.num_kv_heads, a.group, -1)  # [n_new, Hkv, G, D]
+        s = torch.einsum("ikgd,jkd->kgij", qr, k) * a.scale  # [Hkv, G, n_new, n_live]
         i = torch.arange(n_new, device=q.device)[:, None]
         j = torch.arange(n_live, device=q.device)[None, :]
         allowed = (j <= n_live - n_new + i) & valid[None, :]  # [n_new, n_live]
-        s = s.masked_fill(~allowed[None], float("-inf"))
+        s = s.masked_fill(~allowed, float("-inf"))
         row_max = s.amax(dim=-1, keepdim=True)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         e = torch.exp(s - row_max)
         denom = e.sum(dim=-1, keepdim=True)
         p = torch.where(denom > 0, e / torch.where(denom > 0, denom, 1), torch.zeros_like(e))
-        result[q0:q1] = torch.einsum("hij,jhd->ihd", p, v)
-        # [Hq, n_new, n_live] -> per kv head: sum over queries and the group's heads.
-        scores[k0:k1] = p.sum(dim=1).view(a.num_kv_heads, a.group, n_live).sum(dim=1).T
+        result[q0:q1] = torch.einsum("kgij,jkd->ikgd", p, v).reshape(n_new, a.num_q_heads, -1)
+        # Sum over the group's query heads and the request's queries, per kv head.
+        scores[k0:k1] = p.sum(dim=(1, 2)).T
     if compute_dtype == torch.float64:
         out = result
     else:

@@ -1,0 +1,219 @@
+"""Benchmark token_attention: decode (and a prefill chunk) over token-indexed slots.
+
+GPU (default when CUDA is present): realistic decode sizes (e.g. 64 requests x
+4K live tokens, 32 q heads / 8 kv heads, head_dim 128, bf16, vLLM 0.32 flash
+layout, block size 16). The live tokens sit in randomly placed blocks with 12
+of 16 offsets live (the state after token eviction, before compaction).
+Reported per row, all timed in this run with CUDA events (do_bench):
+
+* ``kv_GBps``: K+V bytes read per second (the bytes that bound decode);
+* ``frac_sdpa``: SDPA time / token_attention time, with SDPA (GQA-aware, and
+  on K/V expanded to the q heads; the faster one) run on the same K/V already
+  gathered into a dense ``[R, Hkv, L, D]`` tensor: the fraction of dense SDPA's
+  bandwidth on the same bytes (goal >= 0.70);
+* ``frac_copy``: (all bytes read + written) / time over the measured D2D copy
+  bandwidth (read + write counted).
+
+``--quick`` (and any run without CUDA): small sizes on the CPU. The Triton
+interpreter is meaningless for speed, so the CPU run times the torch reference
+(a per-request gather + attention) against SDPA on dense K/V gathered
+beforehand, and checks that the Triton kernel (interpreter) matches the
+reference once.
+
+Usage: ``python bench/bench_token_attention.py [--quick]``; writes
+``bench/results/token_attention.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+# NOTE: must precede any triton import: on a machine without CUDA the Triton
+# kernel can only run in the interpreter. The debug flag would add host syncs.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["VTOKEN_DEBUG_INVARIANTS"] = "0"
+
+from common import copy_bandwidth_gbs, gbs, on_gpu, print_table, time_fn, write_json  # noqa: E402
+
+from vtoken.layout import KVLayout, kv_cache_shape  # noqa: E402
+from vtoken.reference import token_attention as ref_mod  # noqa: E402
+from vtoken.reference.token_attention import token_attention as ref_attention  # noqa: E402
+from vtoken_kernels.token_attention import _auto_splits  # noqa: E402
+from vtoken_kernels.token_attention import token_attention as tri_attention  # noqa: E402
+
+F = torch.nn.functional
+LIVE_PER_BLOCK = 12  # of 16: tokens left live per block after eviction
+
+
+def make_case(num_reqs, live, num_q_heads, num_kv_heads, head_dim, dtype, device, *, block_size=16, seed=0):
+    """Cache, layout and slot lists: each request's live tokens in random blocks, 12/16 live."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    per_block = min(LIVE_PER_BLOCK, block_size)
+    blocks_per_req = math.ceil(live / per_block)
+    num_blocks = num_reqs * blocks_per_req + 8
+    shape = kv_cache_shape("vllm_flash", num_blocks, block_size, num_kv_heads, head_dim)
+    gd = torch.Generator(device=device).manual_seed(seed)
+    cache = torch.randn(shape, generator=gd, device=device, dtype=dtype)
+    layout = KVLayout.from_tensor(cache, "vllm_flash")
+    blocks = torch.randperm(num_blocks, generator=g)[: num_reqs * blocks_per_req]
+    offs = torch.rand(blocks.numel(), block_size, generator=g).argsort(1)[:, :per_block].sort(1).values
+    slots = (blocks[:, None] * block_size + offs).view(num_reqs, -1)[:, :live].reshape(-1)
+    kv_indices = slots.to(device=device, dtype=torch.int32)
+    kv_indptr = (torch.arange(num_reqs + 1) * live).to(device=device, dtype=torch.int32)
+    return cache, layout, kv_indices, kv_indptr
+
+
+def dense_kv(cache, layout, kv_indices, num_reqs, live):
+    """K, V gathered into dense [R, Hkv, L, D] tensors (the SDPA baseline's input)."""
+    view = ref_mod._canonical_view(cache, layout)
+    s = kv_indices.long()
+    k = view[s // layout.block_size, s % layout.block_size, 0]  # [R*L, Hkv, D]
+    v = view[s // layout.block_size, s % layout.block_size, 1]
+    shape = (num_reqs, live, layout.num_heads, layout.head_dim)
+    return k.view(shape).transpose(1, 2).contiguous(), v.view(shape).transpose(1, 2).contiguous()
+
+
+def sdpa_baselines(q4, k, v, group, *, causal_offset=None):
+    """{name: fn} SDPA on dense K/V: GQA-aware, and on K/V expanded to the q heads."""
+    mask = None
+    if causal_offset is not None:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(q4.shape[2], k.shape[2])
+    ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    candidates = {
+        "sdpa_gqa": lambda: F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, enable_gqa=True),
+        "sdpa_expanded": lambda: F.scaled_dot_product_attention(q4, ke, ve, attn_mask=mask),
+    }
+    fns = {}
+    for name, fn in candidates.items():
+        try:
+            fn()
+            fns[name] = fn
+        except (TypeError, RuntimeError) as e:  # older torch without enable_gqa, or no kernel for the mask
+            print(f"  {name} unavailable: {type(e).__name__}: {str(e)[:160]}")
+    return fns
+
+
+def best_baseline(fns, **kw):
+    """(name, median µs) of the fastest baseline, or ("n/a", nan) when none ran."""
+    times = {name: time_fn(fn, **kw)["median_us"] for name, fn in fns.items()}
+    if not times:
+        return "n/a", float("nan")
+    best = min(times, key=times.get)
+    return best, times[best]
+
+
+def gpu_rows(copy_gbs: float) -> list[dict]:
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    hq, hkv, d = 32, 8, 128
+    group = hq // hkv
+    elem = torch.finfo(dt).bits // 8
+    rows = []
+    decode_cases = [
+        ("decode", 64, 4096, False),
+        ("decode", 256, 1024, False),
+        ("decode (split)", 8, 32768, False),
+        ("decode+scores", 64, 4096, True),
+    ]
+    for label, num_reqs, live, scores in decode_cases:
+        cache, lay, idx, ptr = make_case(num_reqs, live, hq, hkv, d, dt, dev)
+        q = torch.randn(num_reqs, hq, d, device=dev, dtype=dt)
+        out = torch.empty_like(q)
+        splits = _auto_splits(dev, num_reqs, hkv, idx.numel())
+        t = time_fn(lambda: tri_attention(q, cache, lay, idx, ptr, out=out, return_key_scores=scores))
+        k, v = dense_kv(cache, lay, idx, num_reqs, live)
+        best, base_us = best_baseline(sdpa_baselines(q[:, :, None], k, v, group))
+        # Correctness at benchmark size, against SDPA on the dense gather (same bytes).
+        ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        ref = F.scaled_dot_product_attention(q[:, :, None], ke, ve)
+        del ke, ve
+        err = (out.float() - ref[:, :, 0].float()).abs().max().item()
+        kv_bytes = 2 * num_reqs * live * hkv * d * elem
+        if scores:
+            kv_bytes += num_reqs * live * hkv * d * elem  # the key-score pass re-reads K
+        total = kv_bytes + 2 * q.numel() * elem + idx.numel() * 4 + (idx.numel() * hkv * 4 if scores else 0)
+        rows.append({
+            "case": label, "reqs": num_reqs, "live": live, "splits": splits if "decode" in label else 1,
+            "us": round(t["median_us"], 1), "kv_GBps": round(gbs(kv_bytes, t["median_us"]), 1),
+            "sdpa_us": round(base_us, 1), "sdpa": best,
+            "frac_sdpa": round(base_us / t["median_us"], 3),
+            "frac_copy": round(gbs(total, t["median_us"]) / copy_gbs, 3),
+            "max_err_vs_sdpa": float(f"{err:.3g}"),
+        })
+        del cache, k, v
+        torch.cuda.empty_cache()
+
+    # Prefill chunk: 4 requests, 3584 past + 512 new tokens each (causal within the chunk).
+    num_reqs, live, n_new = 4, 4096, 512
+    cache, lay, idx, ptr = make_case(num_reqs, live, hq, hkv, d, dt, dev, seed=1)
+    q = torch.randn(num_reqs * n_new, hq, d, device=dev, dtype=dt)
+    q_indptr = (torch.arange(num_reqs + 1, device=dev) * n_new).to(torch.int32)
+    out = torch.empty_like(q)
+    t = time_fn(lambda: tri_attention(q, cache, lay, idx, ptr, q_indptr, out=out))
+    k, v = dense_kv(cache, lay, idx, num_reqs, live)
+    q4 = q.view(num_reqs, n_new, hq, d).transpose(1, 2)
+    best, base_us = best_baseline(sdpa_baselines(q4, k, v, group, causal_offset=live - n_new))
+    keys_seen = num_reqs * sum(live - n_new + i + 1 for i in range(n_new))
+    flops = 4 * hq * d * keys_seen
+    rows.append({
+        "case": "prefill chunk", "reqs": num_reqs, "live": live, "splits": 1,
+        "us": round(t["median_us"], 1), "kv_GBps": round(gbs(2 * num_reqs * live * hkv * d * elem, t["median_us"]), 1),
+        "sdpa_us": round(base_us, 1), "sdpa": best, "frac_sdpa": round(base_us / t["median_us"], 3),
+        "frac_copy": None, "TFLOPs": round(flops / (t["median_us"] * 1e-6) / 1e12, 1),
+    })
+    return rows
+
+
+def cpu_rows() -> list[dict]:
+    """Torch reference vs SDPA on dense K/V (CPU wall clock); Triton interpreter checked for correctness only."""
+    dt = torch.float32
+    hq, hkv, d = 8, 2, 64
+    group = hq // hkv
+    rows = []
+    for num_reqs, live in [(4, 256), (8, 512)]:
+        cache, lay, idx, ptr = make_case(num_reqs, live, hq, hkv, d, dt, torch.device("cpu"))
+        q = torch.randn(num_reqs, hq, d)
+        t_ref = time_fn(lambda: ref_attention(q, cache, lay, idx, ptr), warmup=2, rep=10)
+        k, v = dense_kv(cache, lay, idx, num_reqs, live)
+        best, base_us = best_baseline(sdpa_baselines(q[:, :, None], k, v, group), warmup=2, rep=10)
+        tri = tri_attention(q, cache, lay, idx, ptr)
+        ref = ref_attention(q, cache, lay, idx, ptr, compute_dtype=torch.float64)
+        rows.append({
+            "case": "decode (CPU)", "reqs": num_reqs, "live": live,
+            "ref_us": round(t_ref["median_us"], 1), "sdpa_us": round(base_us, 1), "sdpa": best,
+            "sdpa_over_ref": round(base_us / t_ref["median_us"], 3),
+            "triton_interp_max_err": float(f"{(tri.double() - ref).abs().max().item():.3g}"),
+        })
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small CPU run (also the default without CUDA)")
+    args = ap.parse_args()
+    if on_gpu() and not args.quick:
+        copy = copy_bandwidth_gbs()
+        rows = gpu_rows(copy)
+        print_table(f"token_attention on {torch.cuda.get_device_name()} (bf16, 32q/8kv heads, D=128); "
+                    f"D2D copy {copy:.0f} GB/s", rows)
+        summary = [{k: r[k] for k in ("case", "reqs", "live", "us", "kv_GBps", "frac_sdpa", "frac_copy")} for r in rows]
+        write_json("token_attention", {"mode": "gpu", "copy_GBps": copy, "rows": rows, "summary": summary})
+        return
+    if not on_gpu() and not args.quick:
+        print("no CUDA device: running the --quick CPU benchmark")
+    rows = cpu_rows()
+    print_table("token_attention on CPU: torch reference vs SDPA on dense K/V (fp32, 8q/2kv heads, D=64). "
+                "CPU wall clock; the Triton interpreter is not timed (meaningless for speed)", rows)
+    summary = [{k: r[k] for k in ("case", "reqs", "live", "ref_us", "sdpa_us", "sdpa_over_ref")} for r in rows]
+    write_json("token_attention", {"mode": "cpu-quick", "rows": rows, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()
