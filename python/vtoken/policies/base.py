@@ -274,7 +274,8 @@ def lowest(candidates: np.ndarray, priority, n: int) -> np.ndarray:
         return candidates
     if n <= 0:
         return candidates[:0]
-    priority = np.where(np.isnan(priority), np.inf, priority)
+    if np.isnan(priority).any():  # rare (scores are validated finite): a stable sort ranks NaN after inf
+        return candidates[np.argsort(priority, kind="stable")[:n]]
     kth = np.partition(priority, n - 1)[n - 1]
     below = np.flatnonzero(priority < kth)
     ties = np.flatnonzero(priority == kth)[: n - below.size]  # the oldest of the tied tokens
