@@ -52,33 +52,43 @@ def compact_kv(
     num_moves = src_slots.numel()
     if num_moves == 0:
         return
+    args, constexprs, options = _launch_args(kv_caches, layout, src_slots.contiguous(), dst_slots.contiguous())
+    grid = (num_moves, len(kv_caches))
+    _compact_kv_kernel[grid](*args, **constexprs, **options)
+
+
+def _launch_args(kv_caches, layout: KVLayout, src_slots: torch.Tensor, dst_slots: torch.Tensor):
+    """Positional args, constexprs and options of ``_compact_kv_kernel`` (the AOT test compiles these)."""
     views = [int_view(t) for t in kv_caches]
-    base = views[0]
-    offsets = _layer_offsets(views)
     rows, n_inner, stride_outer, stride_inner, row_len = token_rows(layout)
     block_d = min(triton.next_power_of_2(row_len), _MAX_TILE)
     block_r = max(1, min(triton.next_power_of_2(rows), _MAX_TILE // block_d))
-    align = _common_alignment(views, layout, (stride_outer, stride_inner, row_len))
-    grid = (num_moves, len(views))
-    _compact_kv_kernel[grid](
-        src_slots.contiguous(),
-        dst_slots.contiguous(),
-        offsets,
-        base,
+    args = (
+        src_slots,
+        dst_slots,
+        _layer_offsets(views),
+        views[0],
         layout.num_slots,
         layout.block_size,
         layout.stride_block,
         layout.stride_offset,
         stride_outer,
         stride_inner,
+    )
+    constexprs = dict(
         ROWS=rows,
         N_INNER=n_inner,
         ROW_LEN=row_len,
-        ALIGN=align,
+        ALIGN=_common_alignment(views, layout, (stride_outer, stride_inner, row_len)),
         BLOCK_R=block_r,
         BLOCK_D=block_d,
-        num_warps=4,
     )
+    # One 16-byte vector per thread per tile: with more threads than that,
+    # Triton splits a row into narrower accesses (a 2 x 128 int16 tile on 4
+    # warps compiles to 4-byte loads, on 1 warp to 16-byte loads).
+    vectors = block_r * block_d * views[0].element_size() // 16
+    options = {"num_warps": max(1, min(8, vectors // 32))}
+    return args, constexprs, options
 
 
 def _layer_offsets(views) -> torch.Tensor:

@@ -1,0 +1,510 @@
+"""compact_kv: every backend against an independent byte-level oracle.
+
+All layers of a test are carved out of one random "arena" of bytes, with gaps
+between them. The random bytes are the poison: every destination row starts
+as junk, and the whole arena (destination rows, untouched rows, the gaps
+between layers) is compared bit for bit with the oracle, which copies rows one
+(move, layer, kv, head) at a time through ``KVLayout.slot_offset`` /
+``row_offset``, independently of the kernels' row merging.
+
+Backends: the torch reference, Triton (interpreter on CPU), the C++ CPU op
+``torch.ops.vtoken.compact_kv`` (when ``vtoken._C`` is built) and, on GPU,
+the CUDA op and Triton against the reference.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from vtoken import ops
+from vtoken.errors import InvalidArgumentError, InvalidTypeError
+from vtoken.layout import KVLayout
+from vtoken.reference import compact_kv as ref
+
+HAS_EXT = ops.extension_loaded() and hasattr(torch.ops.vtoken, "compact_kv")
+needs_ext = pytest.mark.skipif(not HAS_EXT, reason="vtoken._C is not built")
+
+# vLLM 0.32's FlashAttention backend (vllm/v1/attention/backends/flash_attn.py,
+# FlashAttentionImpl.forward) documents
+#     kv_cache: shape = [num_blocks, num_kv_heads, block_size, 2 * head_size]
+# and splits it with kv_cache.transpose(1, 2).split(head_size, dim=-1): K in the
+# first head_size of the last dim, V in the second. That is KVLayout
+# "vllm_fused". vLLM 0.32 allocates it with one of the physical stride orders of
+# vllm/v1/kv_cache_layout.py (LBHNC, LBNHC, BLHNC, ...); the variants
+# vllm_fused (LBHNC), vllm_fused_lbnhc and vllm_fused_blhnc below cover them.
+VLLM_032_FLASH_ATTN_LAYOUT = "vllm_fused"
+VLLM_032_FLASH_ATTN_SHAPE_DOC = "[num_blocks, num_kv_heads, block_size, 2 * head_size]"
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES.append(torch.float8_e4m3fn)
+
+VARIANTS = [
+    "vllm_flash",  # [2, num_blocks, block_size, H, D]
+    "vllm_fused",  # [num_blocks, H, block_size, 2*D], vLLM 0.32 FlashAttention, LBHNC order
+    "vllm_fused_lbnhc",  # same logical shape, physical [num_blocks, block_size, H, 2*D]
+    "vllm_fused_blhnc",  # same logical shape, blocks outermost with layers interleaved
+    "nhd",  # FlashInfer [num_blocks, 2, block_size, H, D]
+    "hnd",  # FlashInfer [num_blocks, 2, H, block_size, D]
+    "mla",  # [num_blocks, block_size, D]
+    "nhd_padded",  # nhd with a padded head stride: rows that do not merge
+    "split_kv",  # K and V in separate [num_blocks, block_size, H, D] tensors per layer
+]
+
+# (num_blocks, block_size, num_heads, head_dim, num_layers, num_moves, seed)
+CASES = [
+    (6, 16, 2, 64, 3, 20, 0),
+    (5, 3, 3, 20, 2, 7, 1),  # odd sizes: 40/80-byte rows, block size 3
+    (9, 1, 1, 8, 1, 4, 2),  # block size 1, one head, one layer
+    (4, 7, 5, 1, 4, 13, 3),  # head_dim 1
+]
+CASE_IDS = ["nb{}-bs{}-h{}-d{}-L{}-M{}-s{}".format(*c) for c in CASES]
+
+
+# ----------------------------------------------------------------- fixtures
+
+
+class Arena:
+    """One byte buffer holding every layer's cache, with random gaps between layers."""
+
+    def __init__(self, nbytes: int, device, gen: torch.Generator):
+        self.buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).to(device)
+        self.cursor = 0
+        self.rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+
+    def take(self, shape, dtype, misalign: bool = False) -> torch.Tensor:
+        esize = torch.empty(0, dtype=dtype).element_size()
+        self.cursor += 16 * self.rng.randint(1, 4) + (esize if misalign else 0)
+        n = int(np.prod(shape)) * esize
+        t = self.buf[self.cursor : self.cursor + n].view(dtype).view(shape)
+        self.cursor += n
+        return t
+
+    def snapshot(self) -> np.ndarray:
+        return self.buf.cpu().numpy().copy()
+
+
+def build_caches(variant, dtype, nb, bs, h, d, num_layers, *, device="cpu", seed=0, misalign=False):
+    """Return (arena, kv_caches, layout) for a layout variant."""
+    esize = torch.empty(0, dtype=dtype).element_size()
+    per_layer = 2 * nb * bs * h * (d + 3) * esize + 256
+    gen = torch.Generator().manual_seed(seed)
+    arena = Arena(num_layers * per_layer * 2 + 4096, device, gen)
+    caches = []
+    if variant == "vllm_fused_blhnc":
+        full = arena.take((nb, num_layers, h, bs, 2 * d), dtype)
+        caches = [full[:, layer] for layer in range(num_layers)]
+        return arena, caches, KVLayout.from_tensor(caches[0], "vllm_fused")
+    for layer in range(num_layers):
+        mis = misalign and layer % 2 == 1
+        if variant in ("vllm_flash", "vllm_fused", "nhd", "hnd", "mla"):
+            from vtoken.layout import kv_cache_shape
+
+            caches.append(arena.take(kv_cache_shape(variant, nb, bs, h, d), dtype, mis))
+        elif variant == "vllm_fused_lbnhc":
+            caches.append(arena.take((nb, bs, h, 2 * d), dtype, mis).transpose(1, 2))
+        elif variant == "nhd_padded":
+            caches.append(arena.take((nb, 2, bs, h, d + 3), dtype, mis)[..., :d])
+        elif variant == "split_kv":
+            caches.append(arena.take((nb, bs, h, d), dtype, mis))
+            caches.append(arena.take((nb, bs, h, d), dtype, mis))
+        else:
+            raise AssertionError(variant)
+    if variant == "split_kv":
+        st = caches[0].stride()
+        return arena, caches, KVLayout("nhd", nb, bs, 1, h, d, st[0], st[1], 0, st[2])
+    name = {"nhd_padded": "nhd", "vllm_fused_lbnhc": "vllm_fused"}.get(variant, variant)
+    return arena, caches, KVLayout.from_tensor(caches[0], name)
+
+
+def random_moves(num_slots, num_moves, seed, *, pad_fraction=0.25, device="cpu"):
+    """Unique destinations disjoint from the sources, with some PAD on either side."""
+    rng = random.Random(seed)
+    slots = rng.sample(range(num_slots), 2 * num_moves)
+    src, dst = slots[:num_moves], slots[num_moves:]
+    for i in rng.sample(range(num_moves), int(num_moves * pad_fraction)):
+        if rng.random() < 0.5:
+            src[i] = -1
+        else:
+            dst[i] = -1
+    as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    return as_t(src), as_t(dst)
+
+
+def oracle(before: np.ndarray, arena: Arena, caches, layout: KVLayout, src, dst) -> np.ndarray:
+    """Expected arena bytes: copy each (move, layer, kv, head) row, skipping PAD / out of range."""
+    out = before.copy()
+    esize = caches[0].element_size()
+    row = layout.head_dim * esize
+    for t in caches:
+        base = t.data_ptr() - arena.buf.data_ptr()
+        for s, d in zip(src.tolist(), dst.tolist()):
+            if not (0 <= s < layout.num_slots and 0 <= d < layout.num_slots):
+                continue
+            for kv in range(layout.num_kv):
+                for head in range(layout.num_heads):
+                    r = layout.row_offset(kv, head)
+                    so = base + (layout.slot_offset(s) + r) * esize
+                    do = base + (layout.slot_offset(d) + r) * esize
+                    out[do : do + row] = before[so : so + row]
+    return out
+
+
+def run_backend(backend, caches, layout, src, dst, validate=None):
+    if backend == "torch":
+        ref.compact_kv(caches, layout, src, dst, validate=validate)
+    elif backend == "triton":
+        from vtoken_kernels.compact_kv import compact_kv
+
+        compact_kv(caches, layout, src, dst, validate=validate)
+    elif backend == "cpp":
+        if validate:
+            ref.check_slot_contract(layout, src, dst)
+        torch.ops.vtoken.compact_kv(caches, src, dst, *ref.layout_op_args(layout))
+    else:
+        raise AssertionError(backend)
+
+
+BACKENDS = ["torch", "triton", pytest.param("cpp", marks=needs_ext)]
+
+
+def assert_arena_equal(actual: np.ndarray, expected: np.ndarray):
+    diff = np.flatnonzero(actual != expected)
+    assert diff.size == 0, f"{diff.size} bytes differ, first at byte {diff[:8].tolist()}"
+
+
+# ----------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compact_kv_matches_oracle(backend, variant, dtype, case):
+    nb, bs, h, d, num_layers, num_moves, seed = case
+    arena, caches, layout = build_caches(variant, dtype, nb, bs, h, d, num_layers, seed=seed, misalign=seed % 2 == 1)
+    src, dst = random_moves(layout.num_slots, num_moves, seed)
+    before = arena.snapshot()
+    run_backend(backend, caches, layout, src, dst, validate=True)
+    expected = oracle(before, arena, caches, layout, src, dst)
+    assert_arena_equal(arena.snapshot(), expected)
+    # The moves really copied something (not a vacuous pass).
+    assert (expected != before).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pad_only_and_empty_leave_memory_identical(backend):
+    arena, caches, layout = build_caches("nhd", torch.bfloat16, 4, 8, 2, 16, 2)
+    before = arena.snapshot()
+    pad = torch.full((9,), -1, dtype=torch.int32)
+    slots = torch.arange(9, dtype=torch.int32)
+    run_backend(backend, caches, layout, pad, slots)
+    run_backend(backend, caches, layout, slots, pad)
+    empty = torch.empty(0, dtype=torch.int32)
+    run_backend(backend, caches, layout, empty, empty)
+    assert_arena_equal(arena.snapshot(), before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_payloads_copied_bit_exactly(backend):
+    """fp16 / fp32 NaNs with distinct payloads survive (no float round trip)."""
+    for dtype, nan_bits in ((torch.float16, [0x7C01, 0xFE77, 0x7D55]), (torch.float32, [0x7F800001, 0xFFC12345])):
+        arena, caches, layout = build_caches("hnd", dtype, 3, 4, 1, len(nan_bits), 1)
+        ints = ref.int_view(caches[0])
+        ints[0, 0, 0, 1] = torch.tensor(nan_bits, dtype=torch.int64).to(ints.dtype)  # slot 1 K row
+        run_backend(backend, caches, layout, torch.tensor([1], dtype=torch.int32), torch.tensor([9], dtype=torch.int32))
+        assert torch.equal(ints[2, 0, 0, 1], ints[0, 0, 0, 1])  # slot 9 = block 2, offset 1
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton", "torch"])
+def test_ops_dispatch_every_backend(backend, monkeypatch):
+    if backend == "cuda" and not HAS_EXT:
+        pytest.skip("vtoken._C is not built")
+    monkeypatch.setenv("VTOKEN_BACKEND", backend)
+    arena, caches, layout = build_caches("vllm_fused", torch.float16, 6, 16, 2, 32, 3, seed=5)
+    src, dst = random_moves(layout.num_slots, 17, 5)
+    before = arena.snapshot()
+    ops.compact_kv(caches, layout, src, dst)
+    assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, layout, src, dst))
+
+
+def test_token_rows_merges_contiguous_dims():
+    """(rows, n_inner, stride_outer, stride_inner, row_len) per layout (nb=4, bs=16, H=2, D=8)."""
+    _, caches, layout = build_caches("nhd", torch.float16, 4, 16, 2, 8, 1)
+    assert ref.token_rows(layout) == (2, 2, 0, 16 * 2 * 8, 2 * 8)  # K, V rows of H*D
+    _, caches, layout = build_caches("vllm_fused", torch.float16, 4, 16, 2, 8, 1)
+    assert ref.token_rows(layout) == (2, 2, 0, 16 * 2 * 8, 2 * 8)  # one row of 2*D per head
+    _, caches, layout = build_caches("hnd", torch.float16, 4, 16, 2, 8, 1)
+    assert ref.token_rows(layout) == (4, 4, 0, 16 * 8, 8)  # kv and head fold into one dim
+    _, caches, layout = build_caches("mla", torch.float16, 4, 16, 2, 8, 1)
+    assert ref.token_rows(layout) == (1, 1, 0, 0, 8)
+    _, caches, layout = build_caches("nhd_padded", torch.float16, 4, 16, 2, 8, 1)
+    assert ref.token_rows(layout) == (4, 2, 16 * 2 * 11, 11, 8)  # two dims, no merge
+
+
+def test_vllm_032_flash_attention_layout_is_vllm_fused():
+    """The layout named for vLLM 0.32 matches the installed vLLM source (when installed)."""
+    _, caches, layout = build_caches(VLLM_032_FLASH_ATTN_LAYOUT, torch.float16, 4, 16, 2, 8, 1)
+    assert tuple(caches[0].shape) == (4, 2, 16, 2 * 8)  # [num_blocks, H, block_size, 2*D]
+    assert (layout.num_kv, layout.stride_kv) == (2, 8)  # K then V inside the last dim
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vllm is not installed; the layout above is taken from vLLM 0.32's flash_attn.py")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "v1", "attention", "backends", "flash_attn.py")
+    src = open(path).read()
+    assert VLLM_032_FLASH_ATTN_SHAPE_DOC in src
+    assert "kv_cache.transpose(1, 2).split(self.head_size, dim=-1)" in src
+
+
+# ----------------------------------------------------------------- contract
+
+
+CONTRACT_BREAKS = [
+    ("dst_out_of_range", lambda n: ([0, 1], [2, n]), r"dst_slots\[1\]: expected -1 \(PAD\) or a slot in \[0, \d+\), got \d+"),
+    ("src_out_of_range", lambda n: ([n + 5, 1], [2, 3]), r"src_slots\[0\]: expected -1 \(PAD\) or a slot in \[0, \d+\), got \d+"),
+    ("src_below_pad", lambda n: ([0, -2], [2, 3]), r"src_slots\[1\]: expected -1 \(PAD\) or a slot in \[0, \d+\), got -2"),
+    ("duplicate_dst", lambda n: ([0, 1], [5, 5]), r"expected unique destinations, got slot 5 2 times"),
+    ("dst_is_a_src", lambda n: ([0, 1], [1, 7]), r"expected destinations disjoint from the sources, got slot 1"),
+]
+
+
+@pytest.mark.parametrize("name,make,match", CONTRACT_BREAKS, ids=[c[0] for c in CONTRACT_BREAKS])
+@pytest.mark.parametrize("backend", ["cuda", "triton", "torch"])
+def test_contract_violation_raises_and_leaves_memory(backend, name, make, match, monkeypatch):
+    if backend == "cuda" and not HAS_EXT:
+        pytest.skip("vtoken._C is not built")
+    monkeypatch.setenv("VTOKEN_BACKEND", backend)
+    arena, caches, layout = build_caches("nhd", torch.float16, 4, 4, 2, 8, 2)
+    s, d = make(layout.num_slots)
+    src, dst = torch.tensor(s, dtype=torch.int32), torch.tensor(d, dtype=torch.int32)
+    before = arena.snapshot()
+    with pytest.raises(InvalidArgumentError, match=match):
+        ops.compact_kv(caches, layout, src, dst, validate=True)
+    assert_arena_equal(arena.snapshot(), before)
+    # validate=None follows VTOKEN_DEBUG_INVARIANTS.
+    monkeypatch.setenv("VTOKEN_DEBUG_INVARIANTS", "1")
+    with pytest.raises(InvalidArgumentError, match=match):
+        ops.compact_kv(caches, layout, src, dst)
+    assert_arena_equal(arena.snapshot(), before)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton", "torch"])
+def test_unvalidated_out_of_range_moves_are_skipped(backend, monkeypatch):
+    """With validation off, a move with an out-of-range slot never writes (memory safety)."""
+    if backend == "cuda" and not HAS_EXT:
+        pytest.skip("vtoken._C is not built")
+    monkeypatch.setenv("VTOKEN_BACKEND", backend)
+    monkeypatch.setenv("VTOKEN_DEBUG_INVARIANTS", "0")
+    arena, caches, layout = build_caches("hnd", torch.float32, 4, 4, 2, 8, 2)
+    n = layout.num_slots
+    src = torch.tensor([0, n, 3, -7, 2**31 - 1], dtype=torch.int32)
+    dst = torch.tensor([n + 1, 5, 6, 8, 9], dtype=torch.int32)
+    before = arena.snapshot()
+    ops.compact_kv(caches, layout, src, dst)  # validate=None -> off
+    expected = oracle(before, arena, caches, layout, src, dst)
+    assert_arena_equal(arena.snapshot(), expected)
+    assert (expected != before).any()  # the one valid move (3 -> 6) happened
+
+
+def test_structural_errors():
+    arena, caches, layout = build_caches("nhd", torch.float16, 4, 4, 2, 8, 2)
+    before = arena.snapshot()
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(InvalidTypeError, match=r"src_slots: expected dtype in \[torch.int32\], got torch.int64"):
+        ops.compact_kv(caches, layout, torch.tensor([0]), i32([1]))
+    with pytest.raises(InvalidTypeError, match=r"dst_slots: expected 1 entries like src_slots, got 2"):
+        ops.compact_kv(caches, layout, i32([0]), i32([1, 2]))
+    with pytest.raises(InvalidTypeError, match=r"dst_slots: expected 1 dims"):
+        ops.compact_kv(caches, layout, i32([0]), i32([[1]]))
+    with pytest.raises(InvalidTypeError, match=r"kv_caches\[1\]: expected shape .* like layer 0"):
+        ops.compact_kv([caches[0], caches[1][:2]], layout, i32([0]), i32([1]))
+    with pytest.raises(InvalidTypeError, match=r"kv_caches\[1\]: expected dtype"):
+        ops.compact_kv([caches[0], caches[1].view(torch.int16)], layout, i32([0]), i32([1]))
+    with pytest.raises(InvalidTypeError, match=r"kv_caches\[0\]: expected dtype in"):
+        ops.compact_kv([torch.zeros(4, 2, 4, 2, 8, dtype=torch.float64)], layout, i32([0]), i32([1]))
+    with pytest.raises(InvalidArgumentError, match=r"layout: expected a layout that addresses the cache tensor"):
+        bigger = KVLayout("nhd", 8, 4, 2, 2, 8, *[layout.stride_block, layout.stride_offset, layout.stride_kv, layout.stride_head])
+        ops.compact_kv(caches, bigger, i32([0]), i32([1]))
+    with pytest.raises(InvalidTypeError, match=r"kv_caches: expected a list of tensors"):
+        ops.compact_kv(caches[0], layout, i32([0]), i32([1]))
+    with pytest.raises(InvalidArgumentError, match=r"kv_caches: expected at least one layer"):
+        ops.compact_kv([], layout, i32([0]), i32([1]))
+    with pytest.raises(InvalidTypeError, match=r"layout: expected a vtoken.layout.KVLayout"):
+        ops.compact_kv(caches, "nhd", i32([0]), i32([1]))
+    assert_arena_equal(arena.snapshot(), before)
+
+
+# ----------------------------------------------------------------- the C++ op
+
+
+@needs_ext
+def test_extension_registers_op():
+    assert ops.extension_loaded()
+    schema = str(torch.ops.vtoken.compact_kv.default._schema)
+    assert schema.startswith("vtoken::compact_kv(Tensor(a!)[] kv_caches, Tensor src_slots, Tensor dst_slots")
+    assert ops.select_backend("compact_kv", torch.device("cpu")) in ("cuda",) or os.environ.get("VTOKEN_BACKEND")
+
+
+@needs_ext
+def test_cpp_op_rejects_bad_arguments():
+    arena, caches, layout = build_caches("nhd", torch.float16, 4, 4, 2, 8, 2)
+    args = ref.layout_op_args(layout)
+    before = arena.snapshot()
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"src_slots: expected dtype int32, got Long"):
+        torch.ops.vtoken.compact_kv(caches, torch.tensor([0]), i32([1]), *args)
+    with pytest.raises(RuntimeError, match=r"dst_slots: expected 1 entries like src_slots, got 2"):
+        torch.ops.vtoken.compact_kv(caches, i32([0]), i32([1, 2]), *args)
+    with pytest.raises(RuntimeError, match=r"kv_caches\[1\]: expected shape"):
+        torch.ops.vtoken.compact_kv([caches[0], caches[1][:2]], i32([0]), i32([1]), *args)
+    with pytest.raises(RuntimeError, match=r"layout: expected a layout that addresses the cache tensor"):
+        torch.ops.vtoken.compact_kv(caches, i32([0]), i32([1]), 8, *args[1:])
+    with pytest.raises(RuntimeError, match=r"expected at least one layer"):
+        torch.ops.vtoken.compact_kv([], i32([0]), i32([1]), *args)
+    assert_arena_equal(arena.snapshot(), before)
+
+
+@needs_ext
+@pytest.mark.parametrize("variant,dtype", [("nhd", torch.float16), ("mla", torch.float32), ("vllm_fused_lbnhc", torch.bfloat16)])
+def test_opcheck(variant, dtype):
+    _, caches, layout = build_caches(variant, dtype, 5, 4, 2, 8, 3)
+    src, dst = random_moves(layout.num_slots, 6, 11)
+    torch.library.opcheck(torch.ops.vtoken.compact_kv.default, (caches, src, dst, *ref.layout_op_args(layout)))
+
+
+@needs_ext
+def test_meta_kernel_accepts_meta_tensors():
+    caches = [torch.empty(4, 2, 4, 2, 8, dtype=torch.float16, device="meta") for _ in range(2)]
+    slots = torch.empty(3, dtype=torch.int32, device="meta")
+    layout = KVLayout.from_tensor(caches[0], "nhd")
+    assert torch.ops.vtoken.compact_kv(caches, slots, slots, *ref.layout_op_args(layout)) is None
+    with pytest.raises(RuntimeError, match=r"src_slots: expected dtype int32"):
+        torch.ops.vtoken.compact_kv(caches, slots.long(), slots, *ref.layout_op_args(layout))
+
+
+# ----------------------------------------------------------------- Triton AOT
+
+
+def _aot_specs():
+    """The launcher's real (args, constexprs, options) for every variant and element size."""
+    from vtoken_kernels import compact_kv as tk
+
+    specs = []
+    # Every variant once, the three element sizes in rotation (nhd gets fp16).
+    for i, variant in enumerate(VARIANTS):
+        for dtype in [(torch.float16, torch.float32, torch.uint8)[i % 3]]:
+            _, caches, layout = build_caches(variant, dtype, 4, 16, 2, 64, 2)
+            specs.append((f"{variant}-{dtype}", tk._launch_args(caches, layout, *[torch.zeros(1, dtype=torch.int32)] * 2)))
+    return specs
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_aot_compile_for_sm90_sm80(arch):
+    """Compile the kernel with the launcher's configs for sm_90 / sm_80, no GPU needed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from vtoken_kernels import compact_kv as tk
+
+    kernel = tk._compact_kv_kernel
+    # Under TRITON_INTERPRET=1, @triton.jit gives an interpreter wrapper.
+    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
+    tl_int = {torch.uint8: "*u8", torch.int16: "*i16", torch.int32: "*i32"}
+    for spec_id, (args, constexprs, options) in _aot_specs():
+        signature = {}
+        for name, value in zip(fn.arg_names, args):
+            if isinstance(value, torch.Tensor):
+                signature[name] = tl_int.get(value.dtype, "*i64")
+            else:
+                signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+        signature.update({k: "constexpr" for k in constexprs})
+        # Tensors from the caching allocator are 16-byte aligned: mark them so.
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if signature.get(n, "").startswith("*")}
+        compiled = triton.compile(
+            ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", arch, 32),
+            options=options,
+        )
+        assert compiled.asm.get("cubin"), spec_id
+        if spec_id == "nhd-torch.float16":
+            # ALIGN=8 int16 elements: the row copy uses 16-byte vector accesses.
+            assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", compiled.asm["ptx"]), spec_id
+            assert re.search(r"st\.global(\.\w+)*\.v4\.b32", compiled.asm["ptx"]), spec_id
+
+
+# ----------------------------------------------------------------- GPU
+
+
+GPU_VARIANTS = ["vllm_flash", "vllm_fused", "vllm_fused_blhnc", "nhd", "hnd", "mla", "nhd_padded", "split_kv"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
+def test_gpu_cuda_and_triton_match_reference(variant, dtype, misalign):
+    from vtoken_kernels.compact_kv import compact_kv as triton_compact_kv
+
+    results = {}
+    for backend in ("torch", "triton", "cuda"):
+        if backend == "cuda" and not HAS_EXT:
+            continue
+        arena, caches, layout = build_caches(variant, dtype, 64, 16, 4, 128, 5, device="cuda", seed=3, misalign=misalign)
+        src, dst = random_moves(layout.num_slots, 300, 3, device="cuda")
+        if backend == "torch":
+            ref.compact_kv(caches, layout, src, dst, validate=True)
+        elif backend == "triton":
+            triton_compact_kv(caches, layout, src, dst, validate=True)
+        else:
+            torch.ops.vtoken.compact_kv(caches, src, dst, *ref.layout_op_args(layout))
+        torch.cuda.synchronize()
+        results[backend] = arena.snapshot()
+    for backend, got in results.items():
+        assert_arena_equal(got, results["torch"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_EXT, reason="vtoken._C is not built")
+def test_gpu_more_layers_than_one_launch_holds():
+    """300 layers take two launches of the CUDA kernel (256 base pointers each)."""
+    arena, caches, layout = build_caches("mla", torch.bfloat16, 8, 4, 1, 64, 300, device="cuda", seed=4)
+    src, dst = random_moves(layout.num_slots, 10, 4, device="cuda")
+    before = arena.snapshot()
+    torch.ops.vtoken.compact_kv(caches, src, dst, *ref.layout_op_args(layout))
+    torch.cuda.synchronize()
+    assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, layout, src.cpu(), dst.cpu()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_cuda_graph_replays_padded_buffer(backend, monkeypatch):
+    """A fixed-address, PAD-padded move buffer captured once replays new moves."""
+    if backend == "cuda" and not HAS_EXT:
+        pytest.skip("vtoken._C is not built")
+    monkeypatch.setenv("VTOKEN_BACKEND", backend)
+    arena, caches, layout = build_caches("vllm_fused", torch.float16, 32, 16, 4, 64, 4, device="cuda", seed=6)
+    src_buf = torch.full((64,), -1, dtype=torch.int32, device="cuda")
+    dst_buf = torch.full((64,), -1, dtype=torch.int32, device="cuda")
+    ops.compact_kv(caches, layout, src_buf, dst_buf, validate=False)  # warm up (JIT, offsets cache)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.compact_kv(caches, layout, src_buf, dst_buf, validate=False)
+    for seed in (1, 2):
+        src, dst = random_moves(layout.num_slots, 40, seed, device="cuda")
+        src_buf.fill_(-1)
+        dst_buf.fill_(-1)
+        src_buf[:40].copy_(src)
+        dst_buf[:40].copy_(dst)
+        torch.cuda.synchronize()
+        before = arena.snapshot()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, layout, src.cpu(), dst.cpu()))
