@@ -440,6 +440,11 @@ class TraceRecorder:
     (empty decisions included, so a replay can check it is asked the same
     questions) and returns the victims. ``rec.save(path)`` writes JSON;
     ``TraceRecorder.load(path)`` reads it back (without a policy).
+
+    NOTE: decisions are keyed by ``(request_id, step)``. When the modes of a
+    paired run may schedule requests differently (vtoken frees memory sooner,
+    so admission can differ), pass a per-request step, e.g. the request's
+    ``seq_len``, rather than a global step counter.
     """
 
     FORMAT = "vtoken-victim-trace"
