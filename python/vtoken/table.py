@@ -532,6 +532,98 @@ class TokenTable:
             led._set_state(new_dst.astype(np.int64), OWNED)
         return ids.astype(np.int32)
 
+    # ------------------------------------------- relocation (the reclaimer's)
+    def relocation_candidates(self, req) -> tuple[np.ndarray, np.ndarray]:
+        """Blocks of ``req`` a plan may use as sources, in block-list order.
+
+        Private (OWNED: ref == 1, not in flight), not the tail, not released.
+        Returns ``(blocks int32 [n], live int32 [n])``.
+        """
+        row = self.row_of(req)
+        led = self.ledger
+        blist = self._block_list_view(row)[:-1]
+        b = blist[blist != NULL_BLOCK]
+        b = b[led.state[b] == OWNED]
+        return b.astype(np.int32), led.live[b].astype(np.int32)
+
+    def tail_block_ids(self) -> np.ndarray:
+        """The tail block of every registered request that has one (int64)."""
+        rows = np.flatnonzero(self._in_use & (self._ntok > 0))
+        tails = self._blocks[self._base[rows] // self.S + self._tail_pos(rows)]
+        return tails[tails != NULL_BLOCK].astype(np.int64)
+
+    def is_alive(self, req, token_ids) -> np.ndarray:
+        """Alive bits of ``token_ids`` of ``req`` (bool, validated ids)."""
+        row = self.row_of(req)
+        tids = as_index_array("token_ids", token_ids)
+        self._check_tokens(row, tids)
+        return self._alive(int(self._base[row]) + tids)
+
+    def begin_relocation(self, req, src_blocks) -> None:
+        """Mark ``src_blocks`` of ``req`` SRC_INFLIGHT (sources of a launched plan).
+
+        Validated: unique, OWNED by ``req`` and not its tail. While in flight a
+        source is never released by Naive-Evict, even if it empties.
+        """
+        row = self.row_of(req)
+        led = self.ledger
+        b = as_index_array("src_blocks", src_blocks)
+        if b.size == 0:
+            return
+        if b.min() < 1 or b.max() >= led.num_blocks:
+            raise InvalidArgumentError(f"src_blocks: expected ids in [1, {led.num_blocks}), got out-of-range ids")
+        if len(np.unique(b)) != len(b):
+            raise InvalidArgumentError("src_blocks: expected unique ids, got duplicates")
+        ok = (led.state[b] == OWNED) & (led.owner[b] == row)
+        if not ok.all():
+            raise InvalidArgumentError(
+                f"src_blocks: expected OWNED blocks of request {req!r}, got {b[~ok][:8].tolist()}"
+            )
+        tail = self.tail_block(req)
+        if (b == tail).any():
+            raise InvalidArgumentError(f"src_blocks: expected non-tail blocks, got the tail block {tail}")
+        led._set_state(b, SRC_INFLIGHT)
+
+    def end_relocation(self, req, src_blocks) -> np.ndarray:
+        """Return ``req``'s still-in-flight ``src_blocks`` to OWNED (abort, or after a commit).
+
+        Blocks a commit already freed are skipped. A returned source left with
+        no live token (every token in it died while it was in flight) is
+        released now, as Naive-Evict would have done. Returns the released ids.
+        """
+        row = self.row_of(req)
+        led = self.ledger
+        b = as_index_array("src_blocks", src_blocks)
+        if b.size and (b.min() < 1 or b.max() >= led.num_blocks):
+            raise InvalidArgumentError(f"src_blocks: expected ids in [1, {led.num_blocks}), got out-of-range ids")
+        b = np.unique(b)
+        b = b[(led.state[b] == SRC_INFLIGHT) & (led.owner[b] == row)]
+        if b.size == 0:
+            return np.zeros(0, dtype=np.int32)
+        led._set_state(b, OWNED)
+        empty = b[led.live[b] == 0]
+        if empty.size:
+            self._release_if_empty(np.full(len(empty), row, dtype=np.int64), empty)
+        return empty.astype(np.int32)
+
+    def release_destinations(self, req, dst_blocks) -> None:
+        """Free ``req``'s DST_INFLIGHT blocks that a commit did not place (abort, unused)."""
+        row = self.row_of(req)
+        led = self.ledger
+        b = as_index_array("dst_blocks", dst_blocks)
+        if b.size == 0:
+            return
+        if b.min() < 1 or b.max() >= led.num_blocks:
+            raise InvalidArgumentError(f"dst_blocks: expected ids in [1, {led.num_blocks}), got out-of-range ids")
+        if len(np.unique(b)) != len(b):
+            raise InvalidArgumentError("dst_blocks: expected unique ids, got duplicates")
+        ok = (led.state[b] == DST_INFLIGHT) & (led.owner[b] == row)
+        if not ok.all():
+            raise InvalidArgumentError(
+                f"dst_blocks: expected DST_INFLIGHT blocks of request {req!r}, got {b[~ok][:8].tolist()}"
+            )
+        led.release(b)
+
     def finish(self, req) -> np.ndarray:
         """Drop ``req``: free every block it owns, unreference shared ones. Returns the freed ids."""
         row = self.row_of(req)

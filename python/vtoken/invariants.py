@@ -1,0 +1,166 @@
+"""Runtime invariants of relocation (ARCHITECTURE.md §5.7).
+
+* **I1** (content): per request, a hash of the ordered live token ids plus
+  their K/V bytes in every layer is the same before and after a relocation.
+* **I2** (mapping): every live token has exactly one slot and no slot has two
+  owners; the ledger's counts equal a recount; conservation
+  (:meth:`vtoken.table.TokenTable.check_invariants`); and the device mirror,
+  when there is one, equals the table.
+* **I4** (plan gates): :func:`check_plan` / :func:`check_plans`.
+
+These checks read tensors on the host (a device sync on GPU), so the runtime
+runs them only when :func:`enabled` is true: ``VTOKEN_DEBUG_INVARIANTS=1``
+(the test suite sets it) or an explicit ``check_invariants=True`` in the
+reclamation config.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from vtoken.errors import InvariantViolation
+from vtoken.layout import KVLayout
+from vtoken.ledger import DST_INFLIGHT, OWNED, SRC_INFLIGHT
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def enabled() -> bool:
+    """True under ``VTOKEN_DEBUG_INVARIANTS=1`` (any value but empty / ``0``)."""
+    return os.environ.get("VTOKEN_DEBUG_INVARIANTS", "") not in ("", "0")
+
+
+# ----------------------------------------------------------------------- I1
+def gather_token_rows(cache: torch.Tensor, layout: KVLayout, slots) -> torch.Tensor:
+    """The raw K/V elements of ``slots`` in one layer, ``[n, num_kv, num_heads, head_dim]``.
+
+    Addressed through ``layout``'s strides, so every layout works; returned as
+    a same-width integer view so that the comparison is bitwise (NaN payloads
+    and fp8 included).
+    """
+    raw = cache.view(_INT_OF_SIZE[cache.element_size()])
+    s = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=cache.device)
+    S = layout.block_size
+    base = (s // S) * layout.stride_block + (s % S) * layout.stride_offset
+    dev = cache.device
+    kv = torch.arange(layout.num_kv, device=dev) * layout.stride_kv
+    h = torch.arange(layout.num_heads, device=dev) * layout.stride_head
+    d = torch.arange(layout.head_dim, device=dev)
+    idx = base[:, None, None, None] + kv[None, :, None, None] + h[None, None, :, None] + d
+    extent = 1 + sum((n - 1) * st for n, st in zip(raw.shape, raw.stride()))
+    flat = raw.as_strided((extent,), (1,), raw.storage_offset())
+    return flat[idx]
+
+
+def fingerprint_rows(token_ids, rows: Sequence[torch.Tensor]) -> str:
+    """I1 hash of ordered token ids plus, per layer, their gathered K/V rows."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    for r in rows:
+        h.update(r.cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def request_fingerprint(table, req, kv_caches: Sequence[torch.Tensor], layout: Optional[KVLayout]) -> str:
+    """I1 hash of ``req``: its live ids in logical order, then their K/V bytes per layer."""
+    slots = table.live_slots(req)
+    rows = [gather_token_rows(c, layout, slots) for c in (kv_caches or [])]
+    return fingerprint_rows(table.live_ids(req), rows)
+
+
+def fingerprints(table, reqs: Iterable, kv_caches, layout) -> dict:
+    return {r: request_fingerprint(table, r, kv_caches, layout) for r in reqs}
+
+
+def check_fingerprints(before: dict, after: dict) -> None:
+    """I1: the same hash for every request hashed before the relocation."""
+    for req, h in before.items():
+        if after.get(req) != h:
+            raise InvariantViolation(f"I1: live ids / K/V bytes of request {req!r} changed across a relocation")
+
+
+# ----------------------------------------------------------------------- I2
+def check_mapping(table, mirror=None) -> None:
+    """I2 plus conservation and live-count recounts; the device mirror against the table."""
+    table.check_invariants()
+    if mirror is not None:
+        mirror.check_against_table()
+
+
+# ----------------------------------------------------------------------- I4
+def check_plan(plan, table, *, pre_launch: bool = True) -> None:
+    """I4 for one plan, against the table as it is when the plan was made.
+
+    ``pre_launch``: sources still OWNED (before ``begin_relocation``); else SRC_INFLIGHT.
+    """
+    led, S = table.ledger, table.S
+    req = plan.request
+    if req not in table:
+        raise InvariantViolation(f"I4: plan for unregistered request {req!r}")
+    row = table.row_of(req)
+    src = plan.src_blocks.astype(np.int64)
+    dst = plan.dst_blocks.astype(np.int64)
+    for name, a in (("token_ids", plan.token_ids), ("src_slots", plan.src_slots), ("dst_slots", plan.dst_slots),
+                    ("src_blocks", plan.src_blocks), ("dst_blocks", plan.dst_blocks)):
+        if a.dtype != np.int32 or a.ndim != 1:
+            raise InvariantViolation(f"I4: plan.{name} must be a 1-D int32 array, got {a.dtype} {a.shape}")
+    m = plan.num_moves
+    if len(src) <= len(dst):
+        raise InvariantViolation(f"I4: gate len(src)={len(src)} > N_dst={len(dst)} does not hold")
+    if len(dst) != -(-m // S):
+        raise InvariantViolation(f"I4: N_dst={len(dst)} != ceil(T_live={m} / S={S})")
+    if len(np.unique(src)) != len(src) or len(np.unique(dst)) != len(dst) or np.intersect1d(src, dst).size:
+        raise InvariantViolation("I4: sources / destinations not unique and disjoint")
+    src_state = OWNED if pre_launch else SRC_INFLIGHT
+    if not ((led.state[src] == src_state) & (led.owner[src] == row)).all():
+        raise InvariantViolation(f"I4: a source is not a private block of {req!r} in the expected state")
+    if (src == table.tail_block(req)).any():
+        raise InvariantViolation("I4: the tail block is a source")
+    if (led.live[src] >= S).any() or (led.live[src] <= 0).any():
+        raise InvariantViolation("I4: a source is full or empty")
+    if not ((led.state[dst] == DST_INFLIGHT) & (led.owner[dst] == row) & (led.live[dst] == 0)).all():
+        raise InvariantViolation("I4: a destination is not an empty DST_INFLIGHT block of the request")
+    if m != int(led.live[src].sum()):
+        raise InvariantViolation(f"I4: {m} moves but the sources hold {int(led.live[src].sum())} live tokens")
+    tids = plan.token_ids.astype(np.int64)
+    if m > 1 and (np.diff(tids) <= 0).any():
+        raise InvariantViolation("I4: moves are not in ascending logical order")
+    if not table.is_alive(req, tids).all():
+        raise InvariantViolation("I4: a moved token is dead")
+    slots = table.slots(req)
+    if not np.array_equal(slots[tids], plan.src_slots):
+        raise InvariantViolation("I4: src_slots differ from the table")
+    if not np.isin(plan.src_slots.astype(np.int64) // S, src).all():
+        raise InvariantViolation("I4: a moved token is outside the sources")
+    j = np.arange(m, dtype=np.int64)
+    if not np.array_equal(dst[j // S] * S + j % S, plan.dst_slots.astype(np.int64)):
+        raise InvariantViolation("I4: destinations are not filled completely in logical order")
+
+
+def check_plans(plans, table, *, in_flight: Iterable = (), max_dst: Optional[int] = None,
+                max_moves: Optional[int] = None, pre_launch: bool = True) -> None:
+    """I4 for a step's plans: each plan, one plan per request, budgets, disjoint blocks."""
+    reqs = [p.request for p in plans]
+    if len(set(reqs)) != len(reqs):
+        raise InvariantViolation("I4: two plans for one request in a step")
+    busy = set(in_flight) & set(reqs)
+    if busy:
+        raise InvariantViolation(f"I4: a plan for requests already in flight: {sorted(map(repr, busy))[:4]}")
+    for p in plans:
+        check_plan(p, table, pre_launch=pre_launch)
+    if plans:
+        allb = np.concatenate([np.concatenate([p.src_blocks, p.dst_blocks]) for p in plans])
+        if len(np.unique(allb)) != len(allb):
+            raise InvariantViolation("I4: two plans share a block")
+        alld = np.concatenate([p.dst_slots for p in plans])
+        alls = np.concatenate([p.src_slots for p in plans])
+        if len(np.unique(alld)) != len(alld) or np.intersect1d(alld, alls).size:
+            raise InvariantViolation("I4: the step's destination slots are not unique and disjoint from its sources")
+    if max_dst is not None and sum(len(p.dst_blocks) for p in plans) > max_dst:
+        raise InvariantViolation(f"I4: destinations exceed the headroom ({max_dst})")
+    if max_moves is not None and sum(p.num_moves for p in plans) > max_moves:
+        raise InvariantViolation(f"I4: moves exceed max_moves_per_step ({max_moves})")
