@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from reclaim_helpers import Runtime, write_kv
-from table_helpers import assert_same
+from reclaim_helpers import Runtime, assert_same
 from vtoken import invariants, ops
 from vtoken.copy_engine import CopyEngine
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation
