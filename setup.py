@@ -72,7 +72,8 @@ setup(
     # machines install torch==2.13.0 first (see README) so pip never pulls CUDA torch.
     install_requires=["numpy>=1.24", "torch>=2.4"],
     extras_require={
-        "test": ["pytest", "hypothesis"],
+        # transformers 5.19 verified against torch 2.13 CPU (it pulls no torch); fidelity tests only.
+        "test": ["pytest", "hypothesis", "transformers==5.19.0", "safetensors>=0.4"],
         "bench": ["matplotlib", "rich", "tabulate", "nvidia-ml-py"],
         "vllm": ["vllm==0.32.0"],
     },

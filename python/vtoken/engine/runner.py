@@ -1,0 +1,431 @@
+"""ModelRunner: prefill and decode steps of the embedded engine over vtoken's token table.
+
+The runner owns the paged KV cache and the fixed-address step buffers, and
+drives one :class:`~vtoken.engine.model.LlamaModel` step at a time:
+
+1. ``table.sync_new_tokens_batch`` assigns slots to the step's new tokens (the
+   slot mapping of their K/V writes); ``None`` (out of blocks) is returned to
+   the caller unchanged, so a scheduler can preempt and retry;
+2. every request's live slots, in logical order, are packed into the
+   fixed-address ``kv_indices`` / ``kv_indptr`` buffers (FlashInfer naming);
+3. the model writes the new K/V and attends over exactly the live tokens.
+
+On CUDA the decode step is captured in a CUDA graph per padded batch size
+(``graph_batch_sizes``). Before each replay the inputs are overwritten IN PLACE
+(the buffers never change address); padding requests get an empty slot list
+and PAD slot mapping. Relocation (compaction) never runs inside the graph: the
+``StepHooks`` run before and after the forward, on the compute stream,
+outside the captured region. On CPU every step runs eager over the same
+buffers.
+
+NOTE: the slot lists are built on the host from ``TokenTable.live_slots`` and
+shipped with one async H2D copy per buffer. The device mirror + rebuild kernel
+of ARCHITECTURE §3 (``vtoken.buffers``) replaces :meth:`ModelRunner._stage_slot_lists`
+once it lands; nothing else here changes.
+
+Example (CPU, tiny random model)::
+
+    >>> import numpy as np
+    >>> from vtoken.engine.model import LlamaModel, ModelConfig
+    >>> from vtoken.engine.runner import ModelRunner, RunnerConfig
+    >>> runner = ModelRunner(LlamaModel(ModelConfig(vocab_size=128)), RunnerConfig(num_blocks=32, block_size=4))
+    >>> runner.add_request("a"); runner.add_request("b")
+    >>> out = runner.prefill(["a", "b"], [np.array([1, 2, 3]), np.array([4, 5])])
+    >>> nxt = out.next_tokens(); nxt.shape
+    (2,)
+    >>> runner.decode(["a", "b"], nxt).logits.shape
+    torch.Size([2, 128])
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Hashable, Optional, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from vtoken.engine.kv_cache import KV_LAYOUTS
+from vtoken.engine.model import LlamaModel, ModelOutput, StepInputs
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array
+from vtoken.ledger import BlockLedger
+from vtoken.pool import BlockPool
+from vtoken.table import TokenTable
+
+PAD = -1
+
+
+class StepHooks(Protocol):
+    """Called around every forward, on the host, outside any CUDA graph.
+
+    ``pre_forward`` runs before the step's inputs are staged (e.g. the
+    reclaimer's ``compute_stream.wait_event(E)``); ``post_forward`` runs right
+    after the forward was launched (e.g. the stage-aware relocation copy).
+    """
+
+    def pre_forward(self, runner: "ModelRunner") -> None: ...
+
+    def post_forward(self, runner: "ModelRunner", result: "StepResult") -> None: ...
+
+
+@dataclass
+class RunnerConfig:
+    """Sizes of the KV cache and of the fixed-address step buffers.
+
+    Attributes:
+        num_blocks: physical KV blocks (block 0 is the null block; the budget
+            is ``num_blocks - 1``).
+        block_size: tokens per block (``S``).
+        layout: KV layout name (:data:`vtoken.engine.kv_cache.KV_LAYOUTS`).
+        max_num_reqs: most requests in one step.
+        max_num_tokens: most new tokens in one step (prefill chunk budget).
+        max_kv_indices: capacity of ``kv_indices`` (``nnz_max``); default
+            ``num_blocks * block_size``, the most distinct live slots (raise it
+            when requests share prefix blocks: a shared slot is listed once per
+            holder).
+        key_scores: what every step returns for eviction policies: ``"none"``,
+            ``"sum"`` or ``"per_layer"`` (see :class:`~vtoken.engine.model.ModelOutput`).
+        cuda_graph: capture decode steps; ``None`` = on iff the model is on CUDA.
+        graph_batch_sizes: padded decode batch sizes to capture (lazily, on
+            first use); default powers of two up to ``max_num_reqs``.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    layout: str = "nhd"
+    max_num_reqs: int = 64
+    max_num_tokens: int = 4096
+    max_kv_indices: Optional[int] = None
+    key_scores: str = "none"
+    cuda_graph: Optional[bool] = None
+    graph_batch_sizes: Optional[tuple] = None
+
+    def __post_init__(self):
+        for name in ("num_blocks", "block_size", "max_num_reqs", "max_num_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise InvalidArgumentError(f"{name}: expected an int >= 1, got {v!r}")
+        if self.num_blocks < 2:
+            raise InvalidArgumentError(f"num_blocks: expected >= 2 (block 0 is the null block), got {self.num_blocks}")
+        if self.layout not in KV_LAYOUTS:
+            raise InvalidArgumentError(f"layout: expected one of {KV_LAYOUTS}, got {self.layout!r}")
+        if self.key_scores not in ("none", "sum", "per_layer"):
+            raise InvalidArgumentError(f"key_scores: expected 'none', 'sum' or 'per_layer', got {self.key_scores!r}")
+        if self.max_kv_indices is None:
+            self.max_kv_indices = self.num_blocks * self.block_size
+        if self.max_kv_indices < 1:
+            raise InvalidArgumentError(f"max_kv_indices: expected >= 1, got {self.max_kv_indices}")
+        if self.graph_batch_sizes is None:
+            sizes, b = [], 1
+            while b < self.max_num_reqs:
+                sizes.append(b)
+                b *= 2
+            self.graph_batch_sizes = tuple(sizes + [self.max_num_reqs])
+        sizes = tuple(sorted(set(int(b) for b in self.graph_batch_sizes)))
+        if not sizes or sizes[0] < 1 or sizes[-1] > self.max_num_reqs:
+            raise InvalidArgumentError(
+                f"graph_batch_sizes: expected sizes in [1, max_num_reqs={self.max_num_reqs}], got {self.graph_batch_sizes}"
+            )
+        self.graph_batch_sizes = sizes
+
+
+@dataclass
+class StepResult:
+    """The outcome of one step.
+
+    Attributes:
+        logits: float32 ``[R, vocab]`` on the device: each request's last token.
+            On the CUDA-graph path this is a view of the graph's static output:
+            consume it (e.g. :meth:`next_tokens`) before the next step.
+        kv_indptr: int64 host ``[R + 1]``: request r's rows in ``key_scores``.
+        token_ids: host int64 arrays, one per request: the logical ids of the
+            listed keys (row order of ``key_scores``); set when key scores are on.
+        key_scores / layer_key_scores: see :class:`~vtoken.engine.model.ModelOutput`
+            (rows ``kv_indptr[-1]:`` are padding).
+        slot_mapping: int32 host ``[T]``: where the new tokens' K/V went.
+        graph: True when the step replayed a CUDA graph.
+    """
+
+    logits: torch.Tensor
+    kv_indptr: np.ndarray
+    slot_mapping: np.ndarray
+    token_ids: Optional[list] = None
+    key_scores: Optional[torch.Tensor] = None
+    layer_key_scores: Optional[torch.Tensor] = None
+    all_logits: Optional[torch.Tensor] = None
+    graph: bool = False
+
+    def next_tokens(self) -> np.ndarray:
+        """Greedy next token per request (int64 host array; one device->host copy)."""
+        return self.logits.argmax(dim=-1).cpu().numpy()
+
+    def request_key_scores(self, r: int) -> torch.Tensor:
+        """Request ``r``'s rows of ``key_scores``: ``[n_live_r, num_kv_heads]``."""
+        if self.key_scores is None:
+            raise InvalidArgumentError("key_scores: expected a runner with key_scores != 'none', got none")
+        return self.key_scores[int(self.kv_indptr[r]) : int(self.kv_indptr[r + 1])]
+
+
+@dataclass
+class _Graph:
+    graph: "torch.cuda.CUDAGraph"
+    output: ModelOutput
+
+
+class ModelRunner:
+    """Runs prefill and decode steps of ``model`` over a :class:`TokenTable` (see module docstring).
+
+    Args:
+        model: the :class:`LlamaModel` (its device and dtype set the cache's).
+        config: :class:`RunnerConfig`.
+        table: an existing :class:`TokenTable` to run over (e.g. the one a
+            reclamation manager owns); by default a new one over a built-in
+            :class:`BlockPool` of ``config.num_blocks`` blocks.
+        hooks: :class:`StepHooks` called around every forward.
+    """
+
+    def __init__(self, model: LlamaModel, config: RunnerConfig, *, table: Optional[TokenTable] = None,
+                 hooks: Sequence[StepHooks] = ()):
+        if not isinstance(model, LlamaModel):
+            raise InvalidTypeError(f"model: expected a LlamaModel, got {type(model).__name__}")
+        if not isinstance(config, RunnerConfig):
+            raise InvalidTypeError(f"config: expected a RunnerConfig, got {type(config).__name__}")
+        self.model = model
+        self.config = config
+        self.device = model.lm_head.weight.device
+        if table is None:
+            table = TokenTable(BlockLedger(BlockPool(config.num_blocks), block_size=config.block_size))
+        elif table.S != config.block_size or table.ledger.num_blocks != config.num_blocks:
+            raise InvalidArgumentError(
+                f"table: expected block_size {config.block_size} and {config.num_blocks} blocks, "
+                f"got {table.S} and {table.ledger.num_blocks}"
+            )
+        self.table = table
+        self.hooks = list(hooks)
+        self.kv_caches, self.layout = model.allocate_kv_caches(config.num_blocks, config.block_size,
+                                                              layout=config.layout)
+        self.use_graph = (self.device.type == "cuda") if config.cuda_graph is None else bool(config.cuda_graph)
+        if self.use_graph and self.device.type != "cuda":
+            raise InvalidArgumentError(f"cuda_graph: expected a CUDA model for graph capture, got device {self.device}")
+        # --- fixed-address buffers (int32; embedding and RoPE accept int32 ids/positions)
+        t, r, nnz = config.max_num_tokens, config.max_num_reqs, config.max_kv_indices
+        self._sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "kv_indptr": r + 1,
+                       "q_indptr": r + 1, "kv_indices": nnz}
+        self.buffers = {k: torch.zeros(n, dtype=torch.int32, device=self.device) for k, n in self._sizes.items()}
+        pin = self.device.type == "cuda"
+        # NOTE: host staging stays alive (and unchanged) until its async copy has run:
+        # each step waits on the previous step's copy event before rewriting it.
+        self._staging = {k: torch.zeros(n, dtype=torch.int32, pin_memory=pin) for k, n in self._sizes.items()}
+        self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._reset_buffers()
+        self._graphs: dict[int, _Graph] = {}
+        self._graph_pool = None
+        self.num_graph_replays = 0
+
+    # ------------------------------------------------------------- requests
+    def add_request(self, req: Hashable, prefix_blocks=None) -> None:
+        """Register ``req`` (optionally over shared full prefix blocks; see ``TokenTable.add_request``)."""
+        self.table.add_request(req, prefix_blocks)
+
+    def finish(self, req: Hashable) -> np.ndarray:
+        """Drop ``req`` and release its blocks (also the way to preempt it for recompute)."""
+        return self.table.finish(req)
+
+    # ------------------------------------------------------------------ steps
+    def prefill(self, reqs: Sequence[Hashable], token_ids: Sequence, *, all_logits: bool = False
+                ) -> Optional[StepResult]:
+        """Append ``token_ids[i]`` (>= 1 tokens) to ``reqs[i]`` and run them (varlen, causal).
+
+        Works for a first prompt, a prompt chunk, or a recompute after
+        preemption: the tokens go after what the request already holds, at the
+        next logical positions. Returns ``None``, with nothing changed, when the
+        block budget cannot hold the new tokens.
+        """
+        reqs = list(reqs)
+        if len(token_ids) != len(reqs):
+            raise InvalidArgumentError(f"token_ids: expected {len(reqs)} arrays (one per request), got {len(token_ids)}")
+        toks = [as_index_array(f"token_ids[{i}]", t, allow_empty=False) for i, t in enumerate(token_ids)]
+        return self._step(reqs, toks, decode=False, all_logits=all_logits)
+
+    def decode(self, reqs: Sequence[Hashable], token_ids) -> Optional[StepResult]:
+        """Append one token per request and run a decode step (CUDA graph on GPU).
+
+        Returns ``None``, with nothing changed, when the block budget cannot
+        hold the new tokens.
+        """
+        reqs = list(reqs)
+        ids = as_index_array("token_ids", token_ids)
+        if len(ids) != len(reqs):
+            raise InvalidArgumentError(f"token_ids: expected {len(reqs)} tokens (one per request), got {len(ids)}")
+        return self._step(reqs, [ids[i : i + 1] for i in range(len(ids))], decode=True, all_logits=False)
+
+    def _step(self, reqs: list, toks: list, *, decode: bool, all_logits: bool) -> Optional[StepResult]:
+        cfg, table = self.config, self.table
+        nreq = len(reqs)
+        if nreq == 0:
+            raise InvalidArgumentError("reqs: expected at least one request, got none")
+        if nreq > cfg.max_num_reqs:
+            raise InvalidArgumentError(f"reqs: expected at most max_num_reqs={cfg.max_num_reqs}, got {nreq}")
+        if len(set(reqs)) != nreq:
+            raise InvalidArgumentError("reqs: expected unique requests, got duplicates")
+        counts = np.fromiter((len(t) for t in toks), dtype=np.int64, count=nreq)
+        ids = np.concatenate(toks)
+        vocab = self.model.config.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise InvalidArgumentError(f"token_ids: expected ids in [0, {vocab}), got {ids[(ids < 0) | (ids >= vocab)][:8].tolist()}")
+        total = int(counts.sum())
+        if total > cfg.max_num_tokens:
+            raise InvalidArgumentError(f"token_ids: expected at most max_num_tokens={cfg.max_num_tokens} new tokens, got {total}")
+        start = np.fromiter((table.num_tokens(r) for r in reqs), dtype=np.int64, count=nreq)
+        live_after = np.fromiter((table.live_count(r) for r in reqs), dtype=np.int64, count=nreq) + counts
+        if int(live_after.sum()) > cfg.max_kv_indices:
+            raise InvalidArgumentError(
+                f"reqs: expected at most max_kv_indices={cfg.max_kv_indices} listed keys, got {int(live_after.sum())}"
+            )
+        for h in self.hooks:
+            h.pre_forward(self)
+        # --- state change: slots for the new tokens (None: out of blocks, nothing changed)
+        slot_mapping = table.sync_new_tokens_batch(reqs, counts)
+        if slot_mapping is None:
+            return None
+        positions = (np.repeat(start - np.cumsum(counts) + counts, counts) + np.arange(total)).astype(np.int64)
+        live = [table.live_slots(r) for r in reqs]
+        token_ids = [table.live_ids(r) for r in reqs] if cfg.key_scores != "none" else None
+        kv_indptr = np.zeros(nreq + 1, dtype=np.int64)
+        np.cumsum([len(s) for s in live], out=kv_indptr[1:])
+        q_indptr = np.zeros(nreq + 1, dtype=np.int64)
+        np.cumsum(counts, out=q_indptr[1:])
+
+        padded = nreq
+        graph = decode and self.use_graph
+        if graph:
+            padded = next((b for b in cfg.graph_batch_sizes if b >= nreq), None)
+            graph = padded is not None
+            padded = padded or nreq
+        self._stage_slot_lists(ids, positions, slot_mapping, live, kv_indptr, q_indptr, padded=padded)
+        if graph:
+            out = self._replay(padded)
+            self.num_graph_replays += 1
+        else:
+            out = self.model(self._step_inputs(nreq, total, decode), self.kv_caches, self.layout,
+                             all_logits=all_logits, key_scores=cfg.key_scores)
+        result = StepResult(
+            logits=out.logits[:nreq], kv_indptr=kv_indptr, slot_mapping=slot_mapping, token_ids=token_ids,
+            key_scores=out.key_scores, layer_key_scores=out.layer_key_scores, all_logits=out.all_logits,
+            graph=graph,
+        )
+        for h in self.hooks:
+            h.post_forward(self, result)
+        return result
+
+    # -------------------------------------------------------------- buffers
+    def _reset_buffers(self) -> None:
+        """Padding state: no listed key, PAD slot mapping (what graph warmup and capture see)."""
+        for name, buf in self.buffers.items():
+            buf.fill_(PAD if name in ("slot_mapping", "kv_indices") else 0)
+
+    def _stage_slot_lists(self, ids, positions, slot_mapping, live, kv_indptr, q_indptr, *, padded: int) -> None:
+        """Write the step's inputs into the fixed-address buffers (in place; async H2D on CUDA).
+
+        ``padded >= len(live)`` rows: the extra (graph padding) requests get an
+        empty slot list and a PAD slot mapping.
+        """
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the previous step's copies have read the staging buffers
+        nreq, total, nnz = len(live), len(ids), int(kv_indptr[-1])
+        rows = {
+            "input_ids": ids, "positions": positions, "slot_mapping": slot_mapping,
+            "kv_indptr": kv_indptr, "q_indptr": q_indptr,
+            "kv_indices": np.concatenate(live) if nnz else np.zeros(0, dtype=np.int32),
+        }
+        used = {}
+        for name, arr in rows.items():
+            n = len(arr)
+            host = self._staging[name].numpy()
+            host[:n] = arr
+            if name in ("kv_indptr", "q_indptr") and padded + 1 > n:
+                host[n : padded + 1] = arr[-1]  # padding requests: empty ranges
+                n = padded + 1
+            elif name in ("input_ids", "positions", "slot_mapping") and padded > n:
+                host[n:padded] = PAD if name == "slot_mapping" else 0
+                n = padded
+            used[name] = n
+        for name, n in used.items():
+            if n:
+                self.buffers[name][:n].copy_(self._staging[name][:n], non_blocking=True)
+        if self._copy_done is not None:
+            self._copy_done.record()
+
+    def _step_inputs(self, nreq: int, total: int, decode: bool) -> StepInputs:
+        """Views of the fixed-address buffers for ``nreq`` requests and ``total`` new tokens."""
+        b = self.buffers
+        return StepInputs(
+            input_ids=b["input_ids"][:total], positions=b["positions"][:total],
+            slot_mapping=b["slot_mapping"][:total], kv_indices=b["kv_indices"],
+            kv_indptr=b["kv_indptr"][: nreq + 1], q_indptr=None if decode else b["q_indptr"][: nreq + 1],
+        )
+
+    # ----------------------------------------------------------- CUDA graphs
+    def _replay(self, batch: int) -> ModelOutput:
+        g = self._graphs.get(batch)
+        if g is None:
+            g = self._capture(batch)
+        g.graph.replay()
+        return g.output
+
+    def capture_graphs(self, batch_sizes: Optional[Sequence[int]] = None) -> None:
+        """Capture the decode graphs up front (default: every ``graph_batch_sizes``)."""
+        if not self.use_graph:
+            raise InvalidArgumentError("cuda_graph: expected a runner with CUDA graphs on, got off")
+        for b in batch_sizes or self.config.graph_batch_sizes:
+            if b not in self.config.graph_batch_sizes:
+                raise InvalidArgumentError(f"batch_sizes: expected sizes from {self.config.graph_batch_sizes}, got {b}")
+            if b not in self._graphs:
+                self._capture(b)
+
+    def _capture(self, batch: int) -> _Graph:
+        """Capture one decode step at padded batch size ``batch`` over the fixed buffers.
+
+        The buffers' CURRENT contents are restored after warmup and capture, so
+        lazy capture in the middle of a step replays that step's inputs.
+        """
+        saved = {k: v.clone() for k, v in self.buffers.items()}
+        self._reset_buffers()
+        step = self._step_inputs(batch, batch, decode=True)
+        ks = self.config.key_scores
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile kernels / allocate workspaces outside the capture
+                self.model(step, self.kv_caches, self.layout, key_scores=ks)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with _no_host_content_checks(), torch.cuda.graph(graph, pool=self._graph_pool):
+            output = self.model(step, self.kv_caches, self.layout, key_scores=ks)
+        for k, v in saved.items():
+            self.buffers[k].copy_(v)
+        g = _Graph(graph, output)
+        self._graphs[batch] = g
+        return g
+
+
+@contextlib.contextmanager
+def _no_host_content_checks():
+    """Turn off ``VTOKEN_DEBUG_INVARIANTS`` host-side content checks during capture.
+
+    NOTE: those checks read index tensors on the host (a device sync), which is
+    illegal while a stream is capturing; they already ran on the same code path
+    during warmup. Single-threaded use only (it flips a process environment variable).
+    """
+    old = os.environ.get("VTOKEN_DEBUG_INVARIANTS")
+    os.environ["VTOKEN_DEBUG_INVARIANTS"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["VTOKEN_DEBUG_INVARIANTS"]
+        else:
+            os.environ["VTOKEN_DEBUG_INVARIANTS"] = old
