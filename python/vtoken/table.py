@@ -81,6 +81,11 @@ class TokenTable:
         self._rows: dict[Hashable, int] = {}
         self._row_req: list = [None] * nrows
         self._free_rows: list[int] = list(range(nrows - 1, -1, -1))
+        # NOTE: blocks that received moved tokens since the table allocated them.
+        # A move may land on a dead token's slot, overwriting K/V that a shared
+        # prefix would still need, while the slot table looks unmodified; such
+        # blocks are never accepted as prefix blocks.
+        self._moved_into = np.zeros(ledger.num_blocks, dtype=bool)
 
     # ------------------------------------------------------------------ rows
     def _round(self, n: int) -> int:
@@ -157,10 +162,17 @@ class TokenTable:
         self._blocks = np.concatenate([self._blocks, np.zeros((new - size) // self.S, dtype=np.int32)])
 
     def _clear(self, lo: int, hi: int) -> None:
-        """Reset arena positions [lo, hi) (both multiples of lcm(8, S))."""
+        """Reset arena positions [lo, hi); ``hi`` is a multiple of lcm(8, S).
+
+        NOTE: ``lo`` may be unaligned (the end of a segment's tokens after a
+        move), so the byte holding bit ``lo`` keeps its lower bits and the
+        block-list entry covering ``lo`` (the segment's tail block) is kept.
+        """
         self._slots[lo:hi] = PAD
-        self._bits[lo // 8 : _cdiv(hi, 8)] = 0
-        self._blocks[lo // self.S : _cdiv(hi, self.S)] = NULL_BLOCK
+        if lo % 8:
+            self._bits[lo // 8] &= np.uint8((1 << (lo % 8)) - 1)
+        self._bits[_cdiv(lo, 8) : _cdiv(hi, 8)] = 0
+        self._blocks[_cdiv(lo, self.S) : _cdiv(hi, self.S)] = NULL_BLOCK
 
     def _copy_segment(self, src: int, dst: int, n: int) -> None:
         self._slots[dst : dst + n] = self._slots[src : src + n]
@@ -252,7 +264,7 @@ class TokenTable:
             if led.state[b] == OWNED:
                 r0 = int(led.owner[b])
                 g0 = int(self._base[r0]) + i * S
-                pristine = int(self._ntok[r0]) >= (i + 1) * S and np.array_equal(
+                pristine = not self._moved_into[b] and int(self._ntok[r0]) >= (i + 1) * S and np.array_equal(
                     self._slots[g0 : g0 + S], b * S + np.arange(S, dtype=np.int32)
                 )
                 if not pristine:
@@ -334,6 +346,7 @@ class TokenTable:
             first = np.repeat(_cdiv(old_n, S) - np.cumsum(need) + need, need) + np.arange(total_new_blocks)
             ids = led.allocate(total_new_blocks, blk_rows, first)
             assert ids is not None  # admission_free was checked above
+            self._moved_into[ids] = False
             self._blocks[self._base[blk_rows] // S + first] = ids
         # Flat (row, token id) pairs for every new token.
         tok_rows = np.repeat(np.arange(len(rows)), counts)
@@ -494,6 +507,16 @@ class TokenTable:
             )
         n = int(self._ntok[row])
         base = int(self._base[row])
+        # NOTE: the tail's offsets past the last token are reserved for future
+        # appends (sync_new_tokens writes token t at offset t % S), so they are
+        # never free destinations.
+        tail_pos = _cdiv(n, S) - 1
+        future = (dst_blocks == self._blocks[base // S + tail_pos]) & (dst % S >= n - tail_pos * S)
+        if future.any():
+            raise InvalidArgumentError(
+                f"new_slots: expected empty slots, got tail-block slots reserved for future tokens "
+                f"{dst[future][:8].tolist()}"
+            )
         row_live = self._slots[base : base + n][self._alive_range(row, 0, n)]
         occupied = np.isin(dst, row_live)
         if occupied.any():
@@ -517,6 +540,7 @@ class TokenTable:
         # --- validated: mutate -------------------------------------------
         np.subtract.at(led.live, src_blocks, 1)
         np.add.at(led.live, dst_blocks, 1)
+        self._moved_into[dst_blocks] = True
         self._slots[g] = dst.astype(np.int32)
         positions = np.sort(led.pos[emptied])
         ids = emptied.astype(np.int64)
@@ -707,6 +731,7 @@ class TokenTable:
         snap["per_request"] = {
             req: (self.slots(req), self.live_mask(req), self.block_list(req)) for req in self._rows
         }
+        snap["moved_into"] = self._moved_into.copy()
         snap["ref"] = None
         alloc = self.ledger.allocator
         if hasattr(alloc, "ref_count"):
