@@ -33,7 +33,7 @@ class Runtime:
     """Table + ledger + pool + KV caches (+ optional mirror) + manager, CPU."""
 
     def __init__(self, *, num_blocks=96, block_size=8, layout="nhd", num_layers=2, heads=2, head_dim=16,
-                 dtype=torch.float32, config=None, mirror=False, seed=0, **cfg):
+                 dtype=torch.float32, config=None, mirror=False, mirror_min_slack=8, seed=0, **cfg):
         self.S = block_size
         self.pool = BlockPool(num_blocks)
         self.ledger = BlockLedger(self.pool, block_size)
@@ -46,7 +46,7 @@ class Runtime:
         if mirror:
             from vtoken.buffers import DeviceMirror
 
-            self.mirror = DeviceMirror(self.table, "cpu", initial_tokens=1024, min_slack=8)
+            self.mirror = DeviceMirror(self.table, "cpu", initial_tokens=1024, min_slack=mirror_min_slack)
         if config is None:
             base = dict(low_watermark=1.0, headroom_blocks=6, check_interval=1, max_src_per_plan=16,
                         max_moves_per_step=256)

@@ -1,0 +1,431 @@
+"""Device mirror of the token tables and the fixed-address attention buffers (ARCHITECTURE.md §3–§4).
+
+:class:`DeviceMirror` keeps, on the device, every tracked request's per-token
+``slot`` (int32) and ``alive`` (int8) arrays. Appends, evictions and
+relocation moves ship only deltas (position + value): they are collected on
+the host and shipped by :meth:`DeviceMirror.flush` in ONE async H2D copy from
+a pinned staging buffer, then applied by one ``index_copy_`` per array.
+
+:class:`SlotListBuffers` holds the batch's attention inputs at fixed
+addresses (``kv_indices``, ``kv_indptr``, ``slot_mapping``, plus the
+``mirror_offsets`` / ``new_token_counts`` arguments), overwritten in place by
+``ops.build_slot_lists`` so a captured CUDA graph replays against them.
+
+Mirror layout
+    Each request owns a segment ``[start, start + cap)`` of the mirror arena;
+    its ``n`` tokens fill ``[start, start + n)`` in logical order and the rest
+    of the segment is slack with ``alive == 0``. Every mirror position that is
+    not a current token of a tracked request has ``alive == 0`` (slack, the
+    segments of removed requests). ``build_slot_lists`` reads the batch as
+    consecutive ranges ``[offsets[r], offsets[r+1])`` and takes each request's
+    new tokens from the END of its range, so the batch is described as::
+
+        offsets[0]   = start of the first request's segment
+        offsets[r+1] = start_r + n_r        (end of request r's tokens)
+
+    i.e. the slack after request ``r`` (dead entries) is at the FRONT of
+    request ``r+1``'s range, where it is skipped, and the new tokens are the
+    last entries of each range. This needs the batch's segments in ascending
+    mirror order with no other tracked request between them; when a batch
+    breaks that (a new order, a request left out) or a request outgrows its
+    segment, the mirror is re-laid out in the batch's order on the device (one
+    gather over the live segments, no host sync), with fresh slack.
+
+NOTE: the mirror tensors may change address on a re-layout or growth; they
+are inputs of ``build_slot_lists`` (run before a graph replay), never
+captured themselves. The :class:`SlotListBuffers` tensors never move.
+
+Per step (engine side)::
+
+    mirror.append(reqs, counts)            # table.sync_new_tokens_batch + deltas
+    mirror.evict(req, token_ids)           # table.evict + deltas
+    mirror.build(buffers, batch_reqs, new_token_counts)   # flush + build_slot_lists
+    # attention reads buffers.kv_indices / kv_indptr, writes K/V at buffers.slot_mapping
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from vtoken import ops
+from vtoken.copy_engine import StagingRing
+from vtoken.errors import InvalidArgumentError, InvariantViolation, as_index_array
+
+PAD = -1
+
+
+class SlotListBuffers:
+    """Fixed-address attention inputs of one batch.
+
+    Tensors (device, allocated once):
+        kv_indices       int32 [nnz_max]      live slots, packed per request, PAD tail
+        kv_indptr        int32 [max_reqs + 1] exclusive prefix sum of live counts
+        slot_mapping     int32 [max_tokens]   the new tokens' slots, PAD tail
+        mirror_offsets   int64 [max_reqs + 1] build argument (see DeviceMirror)
+        new_token_counts int64 [max_reqs]     build argument
+
+    Host mirrors (no device read): ``num_reqs``, ``kv_indptr_host`` (int64,
+    from the table's live counts), ``num_new_tokens``.
+
+    Example:
+        >>> bufs = SlotListBuffers(max_reqs=4, nnz_max=64, max_tokens=8, device="cpu")
+        >>> bufs.kv_indices.shape, bufs.kv_indptr.dtype
+        (torch.Size([64]), torch.int32)
+    """
+
+    def __init__(self, *, max_reqs: int, nnz_max: int, max_tokens: int, device="cpu"):
+        for name, v in (("max_reqs", max_reqs), ("nnz_max", nnz_max), ("max_tokens", max_tokens)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise InvalidArgumentError(f"{name}: expected an int >= 1, got {v!r}")
+        dev = torch.device(device)
+        self.device = dev
+        self.max_reqs, self.nnz_max, self.max_tokens = int(max_reqs), int(nnz_max), int(max_tokens)
+        self.kv_indices = torch.full((self.nnz_max,), PAD, dtype=torch.int32, device=dev)
+        self.kv_indptr = torch.zeros(self.max_reqs + 1, dtype=torch.int32, device=dev)
+        self.slot_mapping = torch.full((self.max_tokens,), PAD, dtype=torch.int32, device=dev)
+        self.mirror_offsets = torch.zeros(self.max_reqs + 1, dtype=torch.int64, device=dev)
+        self.new_token_counts = torch.zeros(self.max_reqs, dtype=torch.int64, device=dev)
+        self.num_reqs = 0
+        self.num_new_tokens = 0
+        self.kv_indptr_host = np.zeros(self.max_reqs + 1, dtype=np.int64)
+
+
+class DeviceMirror:
+    """Per-token slot / alive arrays of a :class:`vtoken.table.TokenTable`, on a device.
+
+    Args:
+        table: the token table mirrored (the host copy is canonical).
+        device: where the mirror and its scatters live.
+        initial_tokens: initial arena size (grows by 1.5x).
+        slack: fraction of extra room given to each segment on (re-)layout.
+        min_slack: at least this many extra positions per segment.
+
+    Example:
+        >>> from vtoken.pool import BlockPool
+        >>> from vtoken.ledger import BlockLedger
+        >>> from vtoken.table import TokenTable
+        >>> t = TokenTable(BlockLedger(BlockPool(16), 4))
+        >>> m = DeviceMirror(t, "cpu")
+        >>> t.add_request("a"); m.add_request("a")
+        >>> _ = m.append(["a"], [6]); m.evict("a", [1])
+        >>> bufs = SlotListBuffers(max_reqs=2, nnz_max=16, max_tokens=8)
+        >>> m.build(bufs, ["a"], [6])
+        >>> bufs.kv_indices[:6].tolist(), bufs.kv_indptr[:2].tolist()
+        ([4, 6, 7, 8, 9, -1], [0, 5])
+    """
+
+    def __init__(self, table, device="cpu", *, initial_tokens: int = 1 << 16, slack: float = 0.25,
+                 min_slack: int = 256):
+        if not 0.0 <= float(slack) <= 4.0:
+            raise InvalidArgumentError(f"slack: expected a fraction in [0, 4], got {slack}")
+        if not isinstance(min_slack, (int, np.integer)) or min_slack < 1:
+            raise InvalidArgumentError(f"min_slack: expected an int >= 1, got {min_slack!r}")
+        self.table = table
+        self.device = torch.device(device)
+        self.slack, self.min_slack = float(slack), int(min_slack)
+        self.is_gpu = torch.cuda.is_available() and self.device.type == "cuda"
+        cap = max(int(initial_tokens), 1024)
+        self.slots = torch.full((cap,), PAD, dtype=torch.int32, device=self.device)
+        self.alive = torch.zeros(cap, dtype=torch.int8, device=self.device)
+        self._end = 0
+        # Per table row (grown with the table's row space).
+        self._start = np.zeros(64, dtype=np.int64)
+        self._cap = np.zeros(64, dtype=np.int64)
+        self._n = np.zeros(64, dtype=np.int64)
+        self._tracked: dict = {}  # req -> row
+        self._d_slot: list = []  # (positions int64, values int32)
+        self._d_alive: list = []  # (positions int64, values int8)
+        self._staging = StagingRing(pinned=True, dtype=torch.int64, prealloc=2, capacity=1 << 16) if self.is_gpu else None
+        self.relayouts = 0
+        self.bytes_shipped = 0
+
+    # ----------------------------------------------------------- tracking
+    def _row(self, req) -> int:
+        row = self._tracked.get(req)
+        if row is None:
+            raise InvalidArgumentError(f"req: expected a request tracked by the mirror, got {req!r}")
+        return row
+
+    def _ensure_rows(self, row: int) -> None:
+        if row >= len(self._start):
+            n = max(row + 1, 2 * len(self._start))
+            for name in ("_start", "_cap", "_n"):
+                a = getattr(self, name)
+                setattr(self, name, np.concatenate([a, np.zeros(n - len(a), dtype=a.dtype)]))
+
+    def _seg_cap(self, n: int) -> int:
+        return int(n + max(self.min_slack, int(n * self.slack)))
+
+    def add_request(self, req) -> None:
+        """Start mirroring ``req`` (already registered in the table, prefix tokens included)."""
+        if req in self._tracked:
+            raise InvalidArgumentError(f"req: expected a request not yet mirrored, got {req!r}")
+        row = self.table.row_of(req)
+        self._ensure_rows(row)
+        n = self.table.num_tokens(req)
+        cap = self._seg_cap(n)
+        self._reserve_arena(self._end + cap)
+        self._start[row], self._cap[row], self._n[row] = self._end, cap, 0
+        self._end += cap
+        self._tracked[req] = row
+        if n:
+            pos = np.arange(n, dtype=np.int64)
+            self._n[row] = n
+            self._d_slot.append((self._start[row] + pos, self.table.slots(req)))
+            self._d_alive.append((self._start[row] + pos, self.table.live_mask(req).astype(np.int8)))
+
+    def remove_request(self, req) -> None:
+        """Stop mirroring ``req``: its segment becomes dead space (alive = 0)."""
+        row = self._tracked.get(req)
+        if row is None:
+            return
+        self.flush()  # pending deltas may still target the segment
+        s, n = int(self._start[row]), int(self._n[row])
+        if n:
+            self.alive[s : s + n].zero_()
+        del self._tracked[req]
+        self._n[row] = self._cap[row] = 0
+
+    def tracked(self) -> list:
+        return list(self._tracked)
+
+    # ------------------------------------------------------------- deltas
+    def record_append(self, reqs: Sequence, counts, slots: np.ndarray) -> None:
+        """``slots`` (int32): the new tokens' slots, request after request (as the table returns them)."""
+        counts = as_index_array("counts", counts)
+        rows = np.fromiter((self._row(r) for r in reqs), dtype=np.int64, count=len(reqs))
+        if len(rows) != len(counts):
+            raise InvalidArgumentError(f"counts: expected {len(rows)} entries, got {len(counts)}")
+        slots = np.asarray(slots)
+        if len(slots) != int(counts.sum()):
+            raise InvalidArgumentError(f"slots: expected {int(counts.sum())} slots, got {len(slots)}")
+        over = np.flatnonzero(self._n[rows] + counts > self._cap[rows])
+        for i in over.tolist():
+            self._grow(int(rows[i]), int(self._n[rows[i]] + counts[i]))
+        if len(slots) == 0:
+            return
+        starts = np.cumsum(counts) - counts
+        within = np.arange(len(slots), dtype=np.int64) - np.repeat(starts, counts)
+        pos = np.repeat(self._start[rows] + self._n[rows], counts) + within
+        self._d_slot.append((pos, slots.astype(np.int32)))
+        self._d_alive.append((pos, np.ones(len(pos), dtype=np.int8)))
+        self._n[rows] += counts
+
+    def record_evict(self, req, token_ids) -> None:
+        row = self._row(req)
+        t = as_index_array("token_ids", token_ids)
+        if t.size:
+            self._d_alive.append((self._start[row] + t, np.zeros(len(t), dtype=np.int8)))
+
+    def record_moves(self, req, token_ids, new_slots) -> None:
+        row = self._row(req)
+        t = as_index_array("token_ids", token_ids)
+        if t.size:
+            self._d_slot.append((self._start[row] + t, np.asarray(new_slots, dtype=np.int32)))
+
+    # -------------------------------------------------- table + delta wrappers
+    def append(self, reqs: Sequence, counts) -> Optional[np.ndarray]:
+        """``table.sync_new_tokens_batch`` plus its deltas; None (nothing changed) if blocks ran out."""
+        reqs = list(reqs)
+        counts = as_index_array("counts", counts)
+        slots = self.table.sync_new_tokens_batch(reqs, counts)
+        if slots is not None:
+            self.record_append(reqs, counts, slots)
+        return slots
+
+    def evict(self, req, token_ids) -> None:
+        """``table.evict`` plus its deltas."""
+        self.table.evict(req, token_ids)
+        self.record_evict(req, token_ids)
+
+    def evict_batch(self, reqs: Sequence, token_ids_per_req) -> None:
+        self.table.evict_batch(reqs, token_ids_per_req)
+        for r, t in zip(reqs, token_ids_per_req):
+            self.record_evict(r, t)
+
+    # -------------------------------------------------------------- shipping
+    @staticmethod
+    def _dedupe(parts: list) -> tuple[np.ndarray, np.ndarray]:
+        """Concatenate (positions, values) parts; for a repeated position the LAST write wins."""
+        pos = np.concatenate([p for p, _ in parts])
+        val = np.concatenate([v for _, v in parts])
+        if len(pos) > 1:
+            rpos = pos[::-1]
+            _, first = np.unique(rpos, return_index=True)
+            keep = len(pos) - 1 - first
+            pos, val = pos[keep], val[keep]
+        return pos, val
+
+    def flush(self) -> int:
+        """Ship every pending delta (one H2D copy, two scatters); return the entries shipped."""
+        if not self._d_slot and not self._d_alive:
+            return 0
+        sp, sv = self._dedupe(self._d_slot) if self._d_slot else (np.zeros(0, np.int64), np.zeros(0, np.int32))
+        ap, av = self._dedupe(self._d_alive) if self._d_alive else (np.zeros(0, np.int64), np.zeros(0, np.int8))
+        self._d_slot, self._d_alive = [], []
+        k1, k2 = len(sp), len(ap)
+        packed = np.concatenate([sp, sv.astype(np.int64), ap, av.astype(np.int64)])
+        dev = self._to_device(packed)
+        if k1:
+            self.slots.index_copy_(0, dev[:k1], dev[k1 : 2 * k1].to(torch.int32))
+        if k2:
+            self.alive.index_copy_(0, dev[2 * k1 : 2 * k1 + k2], dev[2 * k1 + k2 :].to(torch.int8))
+        self.bytes_shipped += packed.nbytes
+        return k1 + k2
+
+    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
+        """An int64 host array on the device: pinned staging + async H2D on GPU (no sync)."""
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
+        if not self.is_gpu:
+            return torch.from_numpy(arr).to(self.device)
+        host = self._staging.acquire(len(arr))
+        host.numpy()[: len(arr)] = arr
+        dev = host[: len(arr)].to(self.device, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._staging.retire(host, ev)
+        return dev
+
+    # ---------------------------------------------------------------- layout
+    def _reserve_arena(self, need: int) -> None:
+        cap = self.slots.numel()
+        if need <= cap:
+            return
+        new = max(need, cap + cap // 2)
+        slots = torch.full((new,), PAD, dtype=torch.int32, device=self.device)
+        alive = torch.zeros(new, dtype=torch.int8, device=self.device)
+        slots[: self._end].copy_(self.slots[: self._end])
+        alive[: self._end].copy_(self.alive[: self._end])
+        self.slots, self.alive = slots, alive
+
+    def _grow(self, row: int, need: int) -> None:
+        """Give ``row`` room for ``need`` tokens: extend in place if last, else re-lay out."""
+        s, cap = int(self._start[row]), int(self._cap[row])
+        if s + cap == self._end:
+            new_cap = self._seg_cap(need)
+            self._reserve_arena(s + new_cap)
+            self._cap[row] = new_cap
+            self._end = s + new_cap
+            return
+        order = sorted(self._tracked.values(), key=lambda r: self._start[r])
+        self._relayout(order, {row: need})
+
+    def _relayout(self, rows_in_order: Sequence[int], need: Optional[dict] = None) -> None:
+        """Rebuild the arena with the tracked segments in ``rows_in_order`` (others after), fresh slack."""
+        self.flush()
+        need = need or {}
+        rows = list(rows_in_order)
+        seen = set(rows)
+        rest = sorted((r for r in self._tracked.values() if r not in seen), key=lambda r: self._start[r])
+        rows = np.array(rows + rest, dtype=np.int64)
+        n = self._n[rows]
+        caps = np.array([self._seg_cap(max(int(k), need.get(int(r), 0))) for r, k in zip(rows, n)], dtype=np.int64)
+        new_start = np.cumsum(caps) - caps
+        total_cap = int(caps.sum())
+        size = max(self.slots.numel(), total_cap)
+        slots = torch.full((size,), PAD, dtype=torch.int32, device=self.device)
+        alive = torch.zeros(size, dtype=torch.int8, device=self.device)
+        total = int(n.sum())
+        if total:
+            # Gather index built on the device from per-segment triples (no O(tokens) H2D, no sync).
+            meta = self._to_device(np.stack([self._start[rows], new_start, n]).reshape(-1)).view(3, -1)
+            seg = torch.repeat_interleave(torch.arange(len(rows), device=self.device), meta[2], output_size=total)
+            first = torch.cumsum(meta[2], 0) - meta[2]
+            within = torch.arange(total, device=self.device) - first[seg]
+            src = meta[0][seg] + within
+            dst = meta[1][seg] + within
+            slots[dst] = self.slots[src]
+            alive[dst] = self.alive[src]
+        self.slots, self.alive = slots, alive
+        self._start[rows] = new_start
+        self._cap[rows] = caps
+        self._end = total_cap
+        self.relayouts += 1
+
+    # ----------------------------------------------------------------- build
+    def batch_offsets(self, reqs: Sequence) -> np.ndarray:
+        """``mirror_offsets`` (int64 [n+1]) of a batch, re-laying out the mirror if needed."""
+        rows = np.fromiter((self._row(r) for r in reqs), dtype=np.int64, count=len(reqs))
+        if len(rows) == 0:
+            return np.zeros(1, dtype=np.int64)
+        if not self._contiguous(rows):
+            self._relayout(rows.tolist())
+        off = np.empty(len(rows) + 1, dtype=np.int64)
+        off[0] = self._start[rows[0]]
+        off[1:] = self._start[rows] + self._n[rows]
+        return off
+
+    def _contiguous(self, rows: np.ndarray) -> bool:
+        starts = self._start[rows]
+        if len(rows) > 1 and (np.diff(starts) <= 0).any():
+            return False
+        if len(np.unique(rows)) != len(rows):
+            return False
+        allrows = np.fromiter(self._tracked.values(), dtype=np.int64, count=len(self._tracked))
+        s_all = self._start[allrows]
+        between = int(((s_all >= starts[0]) & (s_all <= starts[-1])).sum())
+        return between == len(rows)
+
+    def build(self, buffers: SlotListBuffers, reqs: Sequence, new_token_counts) -> None:
+        """Flush the deltas and rebuild ``buffers`` for the batch ``reqs`` (in this order).
+
+        ``new_token_counts[r]``: how many of request r's last tokens are new
+        this step (their slots go to ``slot_mapping``). No host sync.
+        """
+        reqs = list(reqs)
+        k = as_index_array("new_token_counts", new_token_counts)
+        if len(k) != len(reqs):
+            raise InvalidArgumentError(f"new_token_counts: expected {len(reqs)} entries, got {len(k)}")
+        if len(reqs) > buffers.max_reqs:
+            raise InvalidArgumentError(f"reqs: expected at most max_reqs={buffers.max_reqs} requests, got {len(reqs)}")
+        if buffers.device != self.device:
+            raise InvalidArgumentError(f"buffers: expected device {self.device}, got {buffers.device}")
+        off = self.batch_offsets(reqs)
+        rows = np.fromiter((self._row(r) for r in reqs), dtype=np.int64, count=len(reqs))
+        if len(reqs) and ((k < 0) | (k > self._n[rows])).any():
+            raise InvalidArgumentError("new_token_counts: expected 0 <= count <= the request's tokens")
+        live = np.fromiter((self.table.live_count(r) for r in reqs), dtype=np.int64, count=len(reqs))
+        if int(live.sum()) > buffers.nnz_max:
+            raise InvalidArgumentError(f"buffers: expected nnz_max >= {int(live.sum())} live tokens, got {buffers.nnz_max}")
+        if int(k.sum()) > buffers.max_tokens:
+            raise InvalidArgumentError(f"buffers: expected max_tokens >= {int(k.sum())} new tokens, got {buffers.max_tokens}")
+        self.flush()
+        n = len(reqs)
+        host = np.zeros(2 * buffers.max_reqs + 1, dtype=np.int64)
+        host[: n + 1] = off
+        host[n + 1 : buffers.max_reqs + 1] = off[-1]
+        host[buffers.max_reqs + 1 : buffers.max_reqs + 1 + n] = k
+        dev = self._to_device(host)
+        buffers.mirror_offsets.copy_(dev[: buffers.max_reqs + 1])
+        buffers.new_token_counts.copy_(dev[buffers.max_reqs + 1 :])
+        ops.build_slot_lists(
+            self.slots, self.alive, buffers.mirror_offsets, buffers.new_token_counts,
+            buffers.kv_indices, buffers.kv_indptr, buffers.slot_mapping, num_reqs=n,
+        )
+        buffers.num_reqs = n
+        buffers.num_new_tokens = int(k.sum())
+        buffers.kv_indptr_host[0] = 0
+        buffers.kv_indptr_host[1 : n + 1] = np.cumsum(live)
+        buffers.kv_indptr_host[n + 1 :] = buffers.kv_indptr_host[n]
+
+    # -------------------------------------------------------------- checking
+    def check_against_table(self) -> None:
+        """I2 for the mirror: every tracked request's device slots / alive equal the table (syncs)."""
+        self.flush()
+        slots = self.slots.cpu().numpy()
+        alive = self.alive.cpu().numpy()
+        covered = np.zeros(len(alive), dtype=bool)
+        for req, row in self._tracked.items():
+            s, n = int(self._start[row]), int(self._n[row])
+            if n != self.table.num_tokens(req):
+                raise InvariantViolation(f"mirror: request {req!r} has {n} tokens, the table {self.table.num_tokens(req)}")
+            if not np.array_equal(alive[s : s + n] != 0, self.table.live_mask(req)):
+                raise InvariantViolation(f"mirror: alive bits of request {req!r} differ from the table")
+            mask = self.table.live_mask(req)
+            if not np.array_equal(slots[s : s + n][mask], self.table.slots(req)[mask]):
+                raise InvariantViolation(f"mirror: live slots of request {req!r} differ from the table")
+            covered[s : s + n] = True
+        if alive[~covered].any():
+            raise InvariantViolation("mirror: a position outside every tracked request's tokens is alive")

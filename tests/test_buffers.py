@@ -1,0 +1,204 @@
+"""DeviceMirror + SlotListBuffers: deltas, layout, and slot lists equal to the table.
+
+Each check compares the fixed-address buffers built by ``ops.build_slot_lists``
+from the device mirror against the canonical host table: ``kv_indices`` =
+every batch request's live slots in logical order, ``kv_indptr`` = the prefix
+sum of live counts, ``slot_mapping`` = the slots of each request's new tokens.
+Buffers are poisoned before every build, and their addresses never change.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from reclaim_helpers import Runtime
+from vtoken.buffers import DeviceMirror, SlotListBuffers
+from vtoken.errors import InvalidArgumentError
+
+SEEDS = (0, 1, 2, 3)
+POISON = -7
+
+
+def _poison(bufs):
+    for t in (bufs.kv_indices, bufs.kv_indptr, bufs.slot_mapping):
+        t.fill_(POISON)
+
+
+def _expect(table, reqs, new_counts, bufs):
+    lists = [table.live_slots(r) for r in reqs]
+    live = np.concatenate(lists) if lists else np.zeros(0, np.int32)
+    ptr = np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int64)
+    new = [table.slots(r)[table.num_tokens(r) - k:] for r, k in zip(reqs, new_counts)]
+    new = np.concatenate(new) if new else np.zeros(0, np.int32)
+    n = len(reqs)
+    got_idx = bufs.kv_indices.cpu().numpy()
+    got_ptr = bufs.kv_indptr.cpu().numpy()
+    got_sm = bufs.slot_mapping.cpu().numpy()
+    assert np.array_equal(got_idx[: len(live)], live)
+    assert (got_idx[len(live):] == -1).all()
+    assert np.array_equal(got_ptr[: n + 1], ptr) and (got_ptr[n + 1:] == ptr[-1]).all()
+    assert np.array_equal(bufs.kv_indptr_host[: n + 1], ptr)
+    assert np.array_equal(got_sm[: len(new)], new) and (got_sm[len(new):] == -1).all()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_steps_build_equals_table(seed, monkeypatch):
+    # NOTE: the torch reference backend keeps this 40-step x 4-seed test fast;
+    # the Triton interpreter costs ~0.8 s per build, and backend equality is
+    # tests/test_build_slot_lists.py's job. The other tests use the default dispatch.
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    rt = Runtime(num_blocks=200, block_size=4, seed=seed, mirror=True, low_watermark=0.9, headroom_blocks=6,
+                 max_src_per_plan=8, max_moves_per_step=128)
+    m = rt.mirror
+    bufs = SlotListBuffers(max_reqs=8, nnz_max=2048, max_tokens=64)
+    ptrs = [t.data_ptr() for t in (bufs.kv_indices, bufs.kv_indptr, bufs.slot_mapping)]
+    rng = np.random.default_rng(seed)
+    next_id = 0
+    relocated = 0
+    for step in range(40):
+        reqs = rt.table.requests()
+        if len(reqs) < 6 and rng.random() < 0.4 and rt.mgr.admission_budget().free_blocks > 10:
+            if reqs and rng.random() < 0.3 and rt.table.num_tokens(reqs[0]) >= 8:
+                # share a pristine prefix block when the donor's first block is untouched
+                b0 = rt.table.block_list(reqs[0])[:1]
+                try:
+                    rt.add(next_id, b0)
+                except InvalidArgumentError:
+                    rt.add(next_id)
+            else:
+                rt.add(next_id)
+            next_id += 1
+        if reqs and rng.random() < 0.1:
+            rt.mgr.finish_request(reqs[int(rng.integers(len(reqs)))])
+        reqs = rt.table.requests()
+        if not reqs:
+            continue
+        counts = rng.integers(0, 9, size=len(reqs))
+        rt.mgr.before_forward()
+        if rt.append(reqs, counts) is None:
+            counts = np.zeros(len(reqs), dtype=np.int64)
+        for r in reqs:
+            live = rt.table.live_ids(r)
+            if len(live) > 4 and rng.random() < 0.7:
+                k = int(rng.integers(1, max(2, len(live) // 3)))
+                rt.evict(r, rng.choice(live[:-2], size=min(k, len(live) - 2), replace=False))
+        # A batch in a random order, sometimes a subset: the mirror re-lays itself out as needed.
+        order = list(rng.permutation(len(reqs))) if rng.random() < 0.3 else list(range(len(reqs)))
+        if rng.random() < 0.2 and len(order) > 1:
+            order = order[:-1]
+        batch = [reqs[i] for i in order]
+        new = [int(counts[i]) for i in order]
+        _poison(bufs)
+        m.build(bufs, batch, new)
+        _expect(rt.table, batch, new, bufs)
+        plans = rt.mgr.maybe_plan()
+        rt.mgr.launch(plans)
+        rt.mgr.commit()  # record_moves into the mirror; the manager checks mirror == table (debug flag)
+        relocated += sum(p.num_moves for p in plans)
+        m.check_against_table()
+    assert relocated > 0 and m.relayouts > 0
+    assert ptrs == [t.data_ptr() for t in (bufs.kv_indices, bufs.kv_indptr, bufs.slot_mapping)]
+
+
+def test_in_order_batches_need_no_relayout_and_reorder_does():
+    rt = Runtime(num_blocks=100, block_size=4, mirror=True, mirror_min_slack=64)
+    m = rt.mirror
+    for r in "abc":
+        rt.add(r)
+    bufs = SlotListBuffers(max_reqs=4, nnz_max=512, max_tokens=32)
+    for _ in range(3):
+        rt.append(list("abc"), [3, 1, 2])
+        m.build(bufs, list("abc"), [3, 1, 2])
+        _expect(rt.table, list("abc"), [3, 1, 2], bufs)
+    assert m.relayouts == 0
+    # The middle request left out: its live tokens would leak into "c"'s range.
+    m.build(bufs, ["a", "c"], [0, 0])
+    _expect(rt.table, ["a", "c"], [0, 0], bufs)
+    assert m.relayouts == 1
+    m.build(bufs, ["c", "a", "b"], [0, 0, 0])
+    _expect(rt.table, ["c", "a", "b"], [0, 0, 0], bufs)
+    assert m.relayouts == 2
+    m.build(bufs, ["c", "a", "b"], [0, 0, 0])
+    assert m.relayouts == 2
+    # A removed request leaves dead space that in-order batches simply skip.
+    rt.mgr.finish_request("a")
+    m.build(bufs, ["c", "b"], [0, 0])
+    _expect(rt.table, ["c", "b"], [0, 0], bufs)
+    assert m.relayouts == 2
+    m.check_against_table()
+
+
+def test_growth_past_the_segment_and_same_step_append_evict():
+    rt = Runtime(num_blocks=200, block_size=4, mirror=True)
+    m = rt.mirror  # min_slack=8 in the helper: segments overflow quickly
+    rt.add("a")
+    rt.add("b")
+    bufs = SlotListBuffers(max_reqs=2, nnz_max=1024, max_tokens=64)
+    for step in range(12):
+        rt.append(["a", "b"], [7, 5])
+        # Evict a token appended in this very step (its alive delta follows its append delta).
+        rt.evict("a", [rt.table.num_tokens("a") - 3])
+        m.build(bufs, ["a", "b"], [7, 5])
+        _expect(rt.table, ["a", "b"], [7, 5], bufs)
+    assert m.relayouts > 0
+    m.check_against_table()
+
+
+def test_mirror_argument_errors():
+    rt = Runtime(num_blocks=32, block_size=4, mirror=True)
+    m = rt.mirror
+    rt.add("a")
+    rt.table.add_request("x")  # not mirrored
+    bufs = SlotListBuffers(max_reqs=1, nnz_max=8, max_tokens=4)
+    with pytest.raises(InvalidArgumentError, match="mirrored"):
+        m.add_request("a")
+    with pytest.raises(InvalidArgumentError, match="tracked"):
+        m.build(bufs, ["x"], [0])
+    with pytest.raises(InvalidArgumentError, match="new_token_counts"):
+        m.build(bufs, ["a"], [0, 1])
+    rt.append(["a"], [6])
+    with pytest.raises(InvalidArgumentError, match="new_token_counts"):
+        m.build(bufs, ["a"], [7])
+    with pytest.raises(InvalidArgumentError, match="max_tokens"):
+        m.build(bufs, ["a"], [6])
+    with pytest.raises(InvalidArgumentError, match="max_reqs"):
+        m.build(bufs, ["a", "a"], [0, 0])
+    rt.append(["a"], [4])
+    with pytest.raises(InvalidArgumentError, match="nnz_max"):
+        m.build(bufs, ["a"], [1])
+    with pytest.raises(InvalidArgumentError, match="max_reqs"):
+        SlotListBuffers(max_reqs=0, nnz_max=8, max_tokens=4)
+
+
+@pytest.mark.gpu
+def test_gpu_mirror_matches_cpu_mirror(monkeypatch):
+    monkeypatch.setenv("VTOKEN_DEBUG_INVARIANTS", "0")
+    dev = torch.device("cuda")
+    cpu = Runtime(num_blocks=128, block_size=8, seed=2, mirror=True, check_invariants=False)
+    gm = DeviceMirror(cpu.table, dev, initial_tokens=1024, min_slack=8)
+    cb = SlotListBuffers(max_reqs=4, nnz_max=2048, max_tokens=64)
+    gb = SlotListBuffers(max_reqs=4, nnz_max=2048, max_tokens=64, device=dev)
+    for r in range(3):
+        cpu.add(r)
+        gm.add_request(r)
+    rng = np.random.default_rng(0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(10):
+            reqs = cpu.table.requests()
+            slots = cpu.append(reqs, [5] * len(reqs))
+            gm.record_append(reqs, [5] * len(reqs), slots)
+            for r in reqs:
+                v = rng.choice(cpu.table.live_ids(r)[:-2], size=2, replace=False)
+                cpu.evict(r, v)
+                gm.record_evict(r, v)
+            order = reqs[::-1] if step % 3 == 2 else reqs
+            cpu.mirror.build(cb, order, [5] * len(order))
+            gm.build(gb, order, [5] * len(order))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for a, b in ((cb.kv_indices, gb.kv_indices), (cb.kv_indptr, gb.kv_indptr), (cb.slot_mapping, gb.slot_mapping)):
+        assert torch.equal(a, b.cpu())
+    gm.check_against_table()
