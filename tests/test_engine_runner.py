@@ -1,0 +1,315 @@
+"""ModelRunner: steps over the token table, eviction semantics, key scores, errors, CUDA graphs.
+
+The eviction oracle is Hugging Face ``LlamaForCausalLM`` recomputing the whole
+sequence WITHOUT a cache, under a 4-D boolean attention mask: row i may see key
+j iff ``j <= i`` and token j was alive when token i was processed (logical
+positions unchanged). That is exactly what the engine's token-indexed
+attention must compute when dead tokens are dropped from the slot lists.
+Tolerance: the fp32 ``LOGIT_ATOL`` of ``test_engine_fidelity.py`` (same reason).
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from vtoken.engine.model import LlamaModel, ModelConfig
+from vtoken.engine.runner import ModelRunner, RunnerConfig
+from vtoken.errors import InvalidArgumentError, UnknownRequestError
+
+LOGIT_ATOL = 1e-4
+TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+            init_std=0.2)
+
+
+def _model(seed=0, **kw):
+    return LlamaModel(ModelConfig(**{**TINY, **kw, "seed": seed}))
+
+
+def _runner(model, **kw):
+    kw = {"num_blocks": 48, "block_size": 4, "max_num_reqs": 4, **kw}
+    return ModelRunner(model, RunnerConfig(**kw))
+
+
+def _hf_twin(model: LlamaModel):
+    transformers = pytest.importorskip("transformers")
+    c = model.config
+    cfg = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, max_position_embeddings=256,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.load_state_dict(model.state_dict(), strict=False)
+    for k, v in model.state_dict().items():
+        assert torch.equal(hf.state_dict()[k], v), k
+    return hf
+
+
+class _Oracle:
+    """Per request: all tokens so far and, per token, the key set it saw (row of the visibility mask)."""
+
+    def __init__(self, hf):
+        self.hf = hf
+        self.tokens, self.visible, self.alive = {}, {}, {}
+
+    def append(self, req, toks):
+        seq, vis = self.tokens.setdefault(req, []), self.visible.setdefault(req, [])
+        alive = self.alive.setdefault(req, [])
+        for t in toks:
+            seq.append(int(t))
+            alive.append(True)
+            vis.append(np.array(alive, dtype=bool))
+
+    def evict(self, req, ids):
+        for i in ids:
+            self.alive[req][i] = False
+
+    @torch.no_grad()
+    def last_logits(self, req):
+        n = len(self.tokens[req])
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i, row in enumerate(self.visible[req]):
+            mask[i, : len(row)] = torch.from_numpy(row)
+        out = self.hf(torch.tensor([self.tokens[req]]), attention_mask=mask[None, None],
+                      position_ids=torch.arange(n)[None])
+        return out.logits[0, -1]
+
+
+@pytest.mark.parametrize("backend,seed", [("torch", 0), ("triton", 1)])
+def test_eviction_matches_hf_masked_recompute(backend, seed, monkeypatch):
+    """Prefill, decode, evict random live tokens between steps: logits equal an HF recompute with the mask."""
+    monkeypatch.setenv("VTOKEN_BACKEND", backend)
+    model = _model(seed)
+    hf = _hf_twin(model)
+    oracle = _Oracle(hf)
+    rng = random.Random(seed)
+    runner = _runner(model)
+    reqs = [0, 1, 2]
+    prompts = [np.array([rng.randrange(160) for _ in range(n)]) for n in (6, 11, 9)]
+    for r, p in zip(reqs, prompts):
+        runner.add_request(r)
+        oracle.append(r, p)
+    res = runner.prefill(reqs, prompts)
+    evicted = 0
+    for step in range(6):
+        for i, r in enumerate(reqs):
+            torch.testing.assert_close(res.logits[i], oracle.last_logits(r), atol=LOGIT_ATOL, rtol=0)
+        nxt = res.next_tokens()
+        if step % 2 == 1:  # evict ~1/3 of each request's live tokens, never the newest
+            for r in reqs:
+                live = runner.table.live_ids(r)[:-1].tolist()
+                victims = sorted(rng.sample(live, len(live) // 3))
+                runner.table.evict(r, victims)
+                oracle.evict(r, victims)
+                evicted += len(victims)
+        for r, t in zip(reqs, nxt):
+            oracle.append(r, [t])
+        res = runner.decode(reqs, nxt)
+        assert [int(x) for x in np.diff(res.kv_indptr)] == [runner.table.live_count(r) for r in reqs]
+    runner.table.check_invariants()
+    assert evicted > 10
+    assert runner.table.ledger.waste_ratio > 0  # dead tokens really sit in live blocks
+
+
+def test_out_of_blocks_returns_none_and_changes_nothing():
+    model = _model()
+    runner = _runner(model, num_blocks=6, block_size=4)  # 5 usable blocks = 20 tokens
+    runner.add_request("a")
+    runner.add_request("b")
+    assert runner.prefill(["a"], [np.arange(10)]) is not None  # 3 blocks
+    snap = runner.table.snapshot()
+    caches = [c.clone() for c in runner.kv_caches]
+    assert runner.prefill(["a", "b"], [np.arange(3), np.arange(9)]) is None  # needs 0 + 3 > 2 free
+    _assert_snapshot_equal(runner.table.snapshot(), snap)
+    for c, c0 in zip(runner.kv_caches, caches):
+        assert torch.equal(c, c0)
+    res = runner.prefill(["b"], [np.arange(7)])  # exactly the 2 free blocks
+    assert res is not None and runner.table.ledger.num_free == 0
+    assert runner.decode(["a", "b"], [1, 2]) is not None  # both tails have room (11/12, 8/8)
+    snap = runner.table.snapshot()
+    assert runner.decode(["a", "b"], [1, 2]) is None  # b's tail is full now
+    _assert_snapshot_equal(runner.table.snapshot(), snap)
+    runner.finish("b")
+    assert runner.table.ledger.num_free == 2
+
+
+def _assert_snapshot_equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        va, vb = a[k], b[k]
+        if isinstance(va, np.ndarray):
+            assert np.array_equal(va, vb), k
+        elif isinstance(va, dict) and k == "ledger":
+            _assert_snapshot_equal(va, vb)
+        elif k == "per_request":
+            assert va.keys() == vb.keys()
+            for r in va:
+                for x, y in zip(va[r], vb[r]):
+                    assert np.array_equal(x, y), (k, r)
+        else:
+            assert va == vb, k
+
+
+BAD_STEPS = [
+    ("prefill", ["a", "a"], [[1], [2]], InvalidArgumentError, "unique"),
+    ("prefill", ["a"], [[1], [2]], InvalidArgumentError, "one per request"),
+    ("prefill", ["a"], [[]], InvalidArgumentError, "non-empty"),
+    ("prefill", ["a"], [[160]], InvalidArgumentError, r"ids in \[0, 160\)"),
+    ("prefill", ["a"], [[-1]], InvalidArgumentError, r"ids in \[0, 160\)"),
+    ("prefill", ["a"], [list(range(40))], InvalidArgumentError, "max_num_tokens"),
+    ("prefill", [], [], InvalidArgumentError, "at least one"),
+    ("prefill", ["a", "b", "c", "d", "e"], [[1]] * 5, InvalidArgumentError, "max_num_reqs"),
+    ("prefill", ["zzz"], [[1]], UnknownRequestError, "registered"),
+    ("decode", ["a", "b"], [1], InvalidArgumentError, "one per request"),
+    ("decode", ["a"], [1.5], TypeError, "integer"),
+]
+
+
+@pytest.mark.parametrize("kind,reqs,toks,err,match", BAD_STEPS)
+def test_bad_step_raises_and_changes_nothing(kind, reqs, toks, err, match):
+    runner = _runner(_model(), max_num_tokens=32)
+    for r in "abcde":
+        runner.add_request(r)
+    runner.prefill(["a", "b"], [[3, 4, 5], [6]])
+    snap = runner.table.snapshot()
+    with pytest.raises(err, match=match):
+        getattr(runner, kind)(reqs, toks)
+    _assert_snapshot_equal(runner.table.snapshot(), snap)
+
+
+def test_kv_indices_capacity_checked_before_any_change():
+    runner = _runner(_model(), num_blocks=48, block_size=4, max_kv_indices=10)
+    runner.add_request("a")
+    snap = runner.table.snapshot()
+    with pytest.raises(InvalidArgumentError, match="max_kv_indices"):
+        runner.prefill(["a"], [np.arange(11)])
+    _assert_snapshot_equal(runner.table.snapshot(), snap)
+
+
+@pytest.mark.parametrize("mode", ("sum", "per_layer"))
+def test_key_scores_rows_and_mass(mode):
+    """Per request, key scores cover its live keys and sum to num_layers * num_heads * n_new."""
+    model = _model()
+    c = model.config
+    runner = _runner(model, key_scores=mode)
+    runner.add_request(0)
+    runner.add_request(1)
+    res = runner.prefill([0, 1], [np.arange(5), np.arange(9)])
+    for r, n_new in ((0, 5), (1, 9)):
+        ks = res.request_key_scores(r)
+        assert ks.shape == (n_new, c.num_kv_heads) and ks.dtype == torch.float32
+        np.testing.assert_array_equal(res.token_ids[r], np.arange(n_new))
+        torch.testing.assert_close(ks.sum(), torch.tensor(float(c.num_layers * c.num_heads * n_new)))
+    runner.table.evict(1, [0, 3, 4])
+    res = runner.decode([0, 1], res.next_tokens())
+    np.testing.assert_array_equal(res.token_ids[1], [1, 2, 5, 6, 7, 8, 9])
+    for r in (0, 1):
+        ks = res.request_key_scores(r)
+        assert ks.shape[0] == runner.table.live_count(r) and bool((ks >= 0).all())
+        torch.testing.assert_close(ks.sum(), torch.tensor(float(c.num_layers * c.num_heads)))
+    if mode == "per_layer":
+        assert res.layer_key_scores.shape == (c.num_layers,) + tuple(res.key_scores.shape)
+        torch.testing.assert_close(res.layer_key_scores.sum(0), res.key_scores)
+    else:
+        assert res.layer_key_scores is None
+
+
+def test_step_hooks_run_around_the_forward():
+    calls = []
+
+    class Hooks:
+        def pre_forward(self, runner):
+            calls.append(("pre", runner.table.total_tokens()))
+
+        def post_forward(self, runner, result):
+            calls.append(("post", runner.table.total_tokens(), tuple(result.logits.shape)))
+
+    runner = ModelRunner(_model(), RunnerConfig(num_blocks=16, block_size=4), hooks=[Hooks()])
+    runner.add_request(0)
+    runner.prefill([0], [[1, 2, 3]])
+    runner.decode([0], [7])
+    assert calls == [("pre", 0), ("post", 3, (1, 160)), ("pre", 3), ("post", 4, (1, 160))]
+
+
+def test_config_and_model_errors():
+    with pytest.raises(InvalidArgumentError, match="num_blocks"):
+        RunnerConfig(num_blocks=1)
+    with pytest.raises(InvalidArgumentError, match="layout"):
+        RunnerConfig(num_blocks=8, layout="mla")
+    with pytest.raises(InvalidArgumentError, match="key_scores"):
+        RunnerConfig(num_blocks=8, key_scores="mean")
+    with pytest.raises(InvalidArgumentError, match="graph_batch_sizes"):
+        RunnerConfig(num_blocks=8, max_num_reqs=4, graph_batch_sizes=(2, 8))
+    with pytest.raises(InvalidArgumentError, match="multiple of num_kv_heads"):
+        ModelConfig(num_heads=4, num_kv_heads=3, hidden_size=48)
+    with pytest.raises(InvalidArgumentError, match="unknown"):
+        ModelConfig.from_dict({"hidden_sise": 64})
+    with pytest.raises(InvalidArgumentError, match="rope_type"):
+        ModelConfig(rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(InvalidArgumentError, match="model_type"):
+        ModelConfig.from_dict({"model_type": "gpt2"})
+    model = _model()
+    sd = {k: v for k, v in model.state_dict().items() if k != "model.norm.weight"}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(InvalidArgumentError, match="missing"):
+        model.load_hf_state_dict(sd)
+    bad = dict(model.state_dict())
+    bad["lm_head.weight"] = torch.zeros(3, 3)
+    with pytest.raises(InvalidArgumentError, match="shape"):
+        model.load_hf_state_dict(bad)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    with pytest.raises(InvalidArgumentError, match="config.json"):
+        LlamaModel.from_pretrained("/nonexistent/dir")
+
+
+def test_random_weights_are_seeded():
+    a, b, c = _model(seed=3), _model(seed=3), _model(seed=4)
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_cuda_graph_decode_matches_eager(dtype):
+    """Graph-replayed decode == eager decode: same tokens, logits within a dtype tolerance.
+
+    bf16 tolerance 2e-2: the padded graph batch changes the kernel's split
+    choice, so fp32 accumulations may differ in order, and bf16 rounding of the
+    hidden states amplifies that; fp32: 1e-4 as above.
+    """
+    atol = 1e-4 if dtype == torch.float32 else 2e-2
+    model = LlamaModel(ModelConfig(**{**TINY, "dtype": str(dtype).replace("torch.", "")}), device="cuda")
+    runs = {}
+    for use_graph in (True, False):
+        runner = _runner(model, cuda_graph=use_graph, num_blocks=96, max_num_reqs=8)
+        rng = random.Random(0)
+        reqs = [0, 1, 2]
+        for r in reqs:
+            runner.add_request(r)
+        res = runner.prefill(reqs, [np.arange(n) % 160 for n in (6, 11, 9)])
+        toks, logits = [], []
+        for step in range(10):
+            nxt = res.next_tokens()
+            toks.append(nxt)
+            logits.append(res.logits.float().clone())
+            if step == 4:
+                for r in reqs:
+                    live = runner.table.live_ids(r)[:-1].tolist()
+                    runner.table.evict(r, sorted(rng.sample(live, len(live) // 3)))
+            active = reqs if step < 6 else reqs[:2]  # batch 3 -> graph 4, then 2 -> graph 2
+            res = runner.decode(active, nxt[: len(active)])
+            assert res.graph == use_graph
+        runs[use_graph] = (toks, logits, runner.num_graph_replays)
+    (tg, lg, n_replays), (te, le, _) = runs[True], runs[False]
+    assert n_replays == 10
+    for a, b in zip(tg, te):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(lg, le):
+        torch.testing.assert_close(a, b, atol=atol, rtol=0)
