@@ -103,7 +103,7 @@ def test_eviction_matches_hf_masked_recompute(backend, seed, monkeypatch):
             for r in reqs:
                 live = runner.table.live_ids(r)[:-1].tolist()
                 victims = sorted(rng.sample(live, len(live) // 3))
-                runner.table.evict(r, victims)
+                runner.evict(r, victims)
                 oracle.evict(r, victims)
                 evicted += len(victims)
         for r, t in zip(reqs, nxt):
@@ -204,7 +204,7 @@ def test_key_scores_rows_and_mass(mode):
         assert ks.shape == (n_new, c.num_kv_heads) and ks.dtype == torch.float32
         np.testing.assert_array_equal(res.token_ids[r], np.arange(n_new))
         torch.testing.assert_close(ks.sum(), torch.tensor(float(c.num_layers * c.num_heads * n_new)))
-    runner.table.evict(1, [0, 3, 4])
+    runner.evict(1, [0, 3, 4])
     res = runner.decode([0, 1], res.next_tokens())
     np.testing.assert_array_equal(res.token_ids[1], [1, 2, 5, 6, 7, 8, 9])
     for r in (0, 1):
@@ -302,7 +302,7 @@ def test_cuda_graph_decode_matches_eager(dtype):
             if step == 4:
                 for r in reqs:
                     live = runner.table.live_ids(r)[:-1].tolist()
-                    runner.table.evict(r, sorted(rng.sample(live, len(live) // 3)))
+                    runner.evict(r, sorted(rng.sample(live, len(live) // 3)))
             active = reqs if step < 6 else reqs[:2]  # batch 3 -> graph 4, then 2 -> graph 2
             res = runner.decode(active, nxt[: len(active)])
             assert res.graph == use_graph

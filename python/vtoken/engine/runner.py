@@ -18,10 +18,12 @@ and PAD slot mapping. Relocation (compaction) never runs inside the graph: the
 outside the captured region. On CPU every step runs eager over the same
 buffers.
 
-NOTE: the slot lists are built on the host from ``TokenTable.live_slots`` and
-shipped with one async H2D copy per buffer. The device mirror + rebuild kernel
-of ARCHITECTURE §3 (``vtoken.buffers``) replaces :meth:`ModelRunner._stage_slot_lists`
-once it lands; nothing else here changes.
+The slot lists come from :class:`vtoken.buffers.DeviceMirror` (the device
+copy of the token table, updated by deltas) and ``ops.build_slot_lists`` into
+the fixed-address :class:`vtoken.buffers.SlotListBuffers`. Every table change
+must therefore go through the runner (:meth:`ModelRunner.evict`,
+:meth:`ModelRunner.finish`) or the mirror (the reclaimer records its moves
+there), never straight to the table.
 
 Example (CPU, tiny random model)::
 
@@ -33,8 +35,9 @@ Example (CPU, tiny random model)::
     >>> out = runner.prefill(["a", "b"], [np.array([1, 2, 3]), np.array([4, 5])])
     >>> nxt = out.next_tokens(); nxt.shape
     (2,)
-    >>> runner.decode(["a", "b"], nxt).logits.shape
-    torch.Size([2, 128])
+    >>> runner.evict("a", [1])
+    >>> out = runner.decode(["a", "b"], nxt); out.logits.shape, out.kv_indptr.tolist()
+    (torch.Size([2, 128]), [0, 3, 6])
 """
 from __future__ import annotations
 
@@ -46,6 +49,8 @@ from typing import Hashable, Optional, Protocol, Sequence
 import numpy as np
 import torch
 
+from vtoken.buffers import DeviceMirror, SlotListBuffers
+from vtoken.copy_engine import StagingRing
 from vtoken.engine.kv_cache import KV_LAYOUTS
 from vtoken.engine.model import LlamaModel, ModelOutput, StepInputs
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array
@@ -208,28 +213,43 @@ class ModelRunner:
         self.use_graph = (self.device.type == "cuda") if config.cuda_graph is None else bool(config.cuda_graph)
         if self.use_graph and self.device.type != "cuda":
             raise InvalidArgumentError(f"cuda_graph: expected a CUDA model for graph capture, got device {self.device}")
-        # --- fixed-address buffers (int32; embedding and RoPE accept int32 ids/positions)
+        # --- fixed-address buffers. Slot lists: the mirror builds them on the device.
         t, r, nnz = config.max_num_tokens, config.max_num_reqs, config.max_kv_indices
-        self._sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "kv_indptr": r + 1,
-                       "q_indptr": r + 1, "kv_indices": nnz}
-        self.buffers = {k: torch.zeros(n, dtype=torch.int32, device=self.device) for k, n in self._sizes.items()}
-        pin = self.device.type == "cuda"
-        # NOTE: host staging stays alive (and unchanged) until its async copy has run:
-        # each step waits on the previous step's copy event before rewriting it.
-        self._staging = {k: torch.zeros(n, dtype=torch.int32, pin_memory=pin) for k, n in self._sizes.items()}
-        self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._reset_buffers()
+        self.mirror = DeviceMirror(table, self.device)
+        for req in table.requests():  # a table handed over with requests in it
+            self.mirror.add_request(req)
+        self.slot_lists = SlotListBuffers(max_reqs=r, nnz_max=nnz, max_tokens=t, device=self.device)
+        # Token inputs: one int32 arena [input_ids | positions | q_indptr], filled by ONE H2D copy.
+        # (int32 is enough: embedding and RoPE take int32 ids / positions.)
+        self._tok = torch.zeros(2 * t + r + 1, dtype=torch.int32, device=self.device)
+        self.input_ids, self.positions, self.q_indptr = self._tok[:t], self._tok[t : 2 * t], self._tok[2 * t :]
+        # NOTE: a staging buffer is reused only once its copy's event completed (no host wait).
+        self._staging = StagingRing(pinned=True, dtype=torch.int32, prealloc=2, capacity=self._tok.numel()) \
+            if self.device.type == "cuda" else None
         self._graphs: dict[int, _Graph] = {}
         self._graph_pool = None
         self.num_graph_replays = 0
+        self.reclaimer = None  # a vtoken.reclaim.ReclamationManager, set by the scheduler (finish_request)
 
     # ------------------------------------------------------------- requests
     def add_request(self, req: Hashable, prefix_blocks=None) -> None:
         """Register ``req`` (optionally over shared full prefix blocks; see ``TokenTable.add_request``)."""
         self.table.add_request(req, prefix_blocks)
+        self.mirror.add_request(req)
+
+    def evict(self, req: Hashable, token_ids) -> None:
+        """Mark ``token_ids`` of ``req`` dead (table + device mirror); they are never attended again."""
+        self.mirror.evict(req, token_ids)
 
     def finish(self, req: Hashable) -> np.ndarray:
-        """Drop ``req`` and release its blocks (also the way to preempt it for recompute)."""
+        """Drop ``req`` and release its blocks (also the way to preempt it for recompute).
+
+        Goes through the reclaimer when one is attached (its uncommitted plan is
+        rolled back first). Returns the freed block ids.
+        """
+        if self.reclaimer is not None:
+            return self.reclaimer.finish_request(req)
+        self.mirror.remove_request(req)
         return self.table.finish(req)
 
     # ------------------------------------------------------------------ steps
@@ -286,16 +306,13 @@ class ModelRunner:
         for h in self.hooks:
             h.pre_forward(self)
         # --- state change: slots for the new tokens (None: out of blocks, nothing changed)
-        slot_mapping = table.sync_new_tokens_batch(reqs, counts)
+        slot_mapping = self.mirror.append(reqs, counts)
         if slot_mapping is None:
             return None
-        positions = (np.repeat(start - np.cumsum(counts) + counts, counts) + np.arange(total)).astype(np.int64)
-        live = [table.live_slots(r) for r in reqs]
-        token_ids = [table.live_ids(r) for r in reqs] if cfg.key_scores != "none" else None
-        kv_indptr = np.zeros(nreq + 1, dtype=np.int64)
-        np.cumsum([len(s) for s in live], out=kv_indptr[1:])
+        positions = np.repeat(start - np.cumsum(counts) + counts, counts) + np.arange(total)
         q_indptr = np.zeros(nreq + 1, dtype=np.int64)
         np.cumsum(counts, out=q_indptr[1:])
+        token_ids = [table.live_ids(r) for r in reqs] if cfg.key_scores != "none" else None
 
         padded = nreq
         graph = decode and self.use_graph
@@ -303,7 +320,9 @@ class ModelRunner:
             padded = next((b for b in cfg.graph_batch_sizes if b >= nreq), None)
             graph = padded is not None
             padded = padded or nreq
-        self._stage_slot_lists(ids, positions, slot_mapping, live, kv_indptr, q_indptr, padded=padded)
+        self.mirror.build(self.slot_lists, reqs, counts)  # kv_indices, kv_indptr, slot_mapping (PAD tails)
+        kv_indptr = self.slot_lists.kv_indptr_host[: nreq + 1].copy()
+        self._stage_tokens(ids, positions, q_indptr, padded=padded)
         if graph:
             out = self._replay(padded)
             self.num_graph_replays += 1
@@ -320,50 +339,37 @@ class ModelRunner:
         return result
 
     # -------------------------------------------------------------- buffers
-    def _reset_buffers(self) -> None:
-        """Padding state: no listed key, PAD slot mapping (what graph warmup and capture see)."""
-        for name, buf in self.buffers.items():
-            buf.fill_(PAD if name in ("slot_mapping", "kv_indices") else 0)
+    def _stage_tokens(self, ids, positions, q_indptr, *, padded: int) -> None:
+        """Write input ids, positions and q_indptr into their fixed-address buffers (one H2D on CUDA).
 
-    def _stage_slot_lists(self, ids, positions, slot_mapping, live, kv_indptr, q_indptr, *, padded: int) -> None:
-        """Write the step's inputs into the fixed-address buffers (in place; async H2D on CUDA).
-
-        ``padded >= len(live)`` rows: the extra (graph padding) requests get an
-        empty slot list and a PAD slot mapping.
+        Graph padding rows (``len(ids) .. padded``) get token 0 at position 0;
+        the slot lists give them no key and a PAD slot mapping.
         """
-        if self._copy_done is not None:
-            self._copy_done.synchronize()  # the previous step's copies have read the staging buffers
-        nreq, total, nnz = len(live), len(ids), int(kv_indptr[-1])
-        rows = {
-            "input_ids": ids, "positions": positions, "slot_mapping": slot_mapping,
-            "kv_indptr": kv_indptr, "q_indptr": q_indptr,
-            "kv_indices": np.concatenate(live) if nnz else np.zeros(0, dtype=np.int32),
-        }
-        used = {}
-        for name, arr in rows.items():
-            n = len(arr)
-            host = self._staging[name].numpy()
-            host[:n] = arr
-            if name in ("kv_indptr", "q_indptr") and padded + 1 > n:
-                host[n : padded + 1] = arr[-1]  # padding requests: empty ranges
-                n = padded + 1
-            elif name in ("input_ids", "positions", "slot_mapping") and padded > n:
-                host[n:padded] = PAD if name == "slot_mapping" else 0
-                n = padded
-            used[name] = n
-        for name, n in used.items():
-            if n:
-                self.buffers[name][:n].copy_(self._staging[name][:n], non_blocking=True)
-        if self._copy_done is not None:
-            self._copy_done.record()
+        t, total, nreq = self.config.max_num_tokens, len(ids), len(q_indptr) - 1
+        n_tok = max(total, padded)
+        host = self._staging.acquire(self._tok.numel()) if self._staging is not None else self._tok
+        h = host.numpy()
+        h[:n_tok] = 0
+        h[:total] = ids
+        h[t : t + n_tok] = 0
+        h[t : t + total] = positions
+        h[2 * t : 2 * t + nreq + 1] = q_indptr
+        if self._staging is None:
+            return
+        # Only the used prefix of the arena travels: [0, 2t + nreq + 1).
+        n = 2 * t + nreq + 1
+        self._tok[:n].copy_(host[:n], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._staging.retire(host, event)
 
     def _step_inputs(self, nreq: int, total: int, decode: bool) -> StepInputs:
         """Views of the fixed-address buffers for ``nreq`` requests and ``total`` new tokens."""
-        b = self.buffers
+        sl = self.slot_lists
         return StepInputs(
-            input_ids=b["input_ids"][:total], positions=b["positions"][:total],
-            slot_mapping=b["slot_mapping"][:total], kv_indices=b["kv_indices"],
-            kv_indptr=b["kv_indptr"][: nreq + 1], q_indptr=None if decode else b["q_indptr"][: nreq + 1],
+            input_ids=self.input_ids[:total], positions=self.positions[:total],
+            slot_mapping=sl.slot_mapping[:total], kv_indices=sl.kv_indices,
+            kv_indptr=sl.kv_indptr[: nreq + 1], q_indptr=None if decode else self.q_indptr[: nreq + 1],
         )
 
     # ----------------------------------------------------------- CUDA graphs
@@ -390,8 +396,14 @@ class ModelRunner:
         The buffers' CURRENT contents are restored after warmup and capture, so
         lazy capture in the middle of a step replays that step's inputs.
         """
-        saved = {k: v.clone() for k, v in self.buffers.items()}
-        self._reset_buffers()
+        sl = self.slot_lists
+        fixed = [self._tok, sl.kv_indices, sl.kv_indptr, sl.slot_mapping]
+        saved = [b.clone() for b in fixed]
+        # Warmup and capture see the padding state: no listed key, PAD slot mapping.
+        self._tok.zero_()
+        sl.kv_indptr.zero_()
+        sl.kv_indices.fill_(PAD)
+        sl.slot_mapping.fill_(PAD)
         step = self._step_inputs(batch, batch, decode=True)
         ks = self.config.key_scores
         stream = torch.cuda.Stream(device=self.device)
@@ -405,8 +417,8 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with _no_host_content_checks(), torch.cuda.graph(graph, pool=self._graph_pool):
             output = self.model(step, self.kv_caches, self.layout, key_scores=ks)
-        for k, v in saved.items():
-            self.buffers[k].copy_(v)
+        for b, v in zip(fixed, saved):
+            b.copy_(v)
         g = _Graph(graph, output)
         self._graphs[batch] = g
         return g
