@@ -73,13 +73,25 @@ struct CompactKVParams {
   int32_t row_bytes;
   int32_t num_layers;     // <= kCompactKVMaxLayers
   FastDivmod inner_div;   // by n_inner (rows of the inner dim)
-  // Set by the CUDA launcher.
+  // Set by compact_kv_configure() for the CUDA kernel.
+  int32_t vec_bytes;      // access width: 16, 8, 4, 2 or 1
+  int32_t vecs_per_move;  // num_layers * rows_per_token * vectors per row
+  int32_t chunks;         // blocks per move
+  FastDivmod layer_div;   // by vectors per (token, layer)
   FastDivmod vec_div;     // by vectors per row
-  int32_t vecs_per_token; // rows_per_token * vectors per row
-  int32_t chunks;         // blocks per (move, layer)
   // Outputs (in place)
   char* layer_base[kCompactKVMaxLayers];  // layer l's cache, element (0, 0, 0, 0, 0)
 };
+
+// CUDA launch shape: compact_kv_kernel<vec_bytes><<<blocks, threads>>>.
+struct CompactKVLaunch {
+  int64_t blocks;
+  int32_t threads;
+};
+
+// Vectors each thread keeps in flight (all loads issued before the stores).
+constexpr int kCompactKVUnroll = 4;
+constexpr int kCompactKVMaxThreads = 256;
 
 // Byte offset of row `r` of a token from the token's slot start.
 VTOKEN_HD int64_t compact_kv_row_offset(const CompactKVParams& p, uint32_t r) {
@@ -148,6 +160,42 @@ inline int compact_kv_vector_bytes(const CompactKVParams& p) {
   int v = 1;
   while (v < 16 && !(bits & static_cast<uint64_t>(v))) v <<= 1;
   return v;
+}
+
+// Pick the access width and the grid for the layers in `p` (host side), and
+// fill the derived fields of `p`. Returns false when the sizes overflow the
+// kernel's 32-bit vector index or grid.
+//
+// Grid: one move's vectors (every layer, row and vector of the token) are
+// numbered j = (layer * rows_per_token + row) * vecs_per_row + vec and split
+// into `chunks` blocks of threads * kUnroll vectors, so small tokens (MLA, few
+// heads) still fill whole blocks across layers.
+inline bool compact_kv_configure(CompactKVParams& p, CompactKVLaunch& launch) {
+  p.vec_bytes = compact_kv_vector_bytes(p);
+  const int64_t vecs_per_row = p.row_bytes / p.vec_bytes;
+  const int64_t vecs_per_layer = vecs_per_row * p.rows_per_token;
+  const int64_t vecs_per_move = vecs_per_layer * p.num_layers;
+  if (vecs_per_move >= (int64_t{1} << 31)) return false;
+  p.vecs_per_move = static_cast<int32_t>(vecs_per_move);
+  p.vec_div = FastDivmod(static_cast<uint32_t>(vecs_per_row));
+  p.layer_div = FastDivmod(static_cast<uint32_t>(vecs_per_layer));
+  // Enough threads that each keeps kUnroll vectors in flight, in whole warps.
+  int64_t threads = (vecs_per_move + kCompactKVUnroll - 1) / kCompactKVUnroll;
+  threads = threads > kCompactKVMaxThreads ? kCompactKVMaxThreads : (threads + 31) / 32 * 32;
+  const int64_t per_block = threads * kCompactKVUnroll;
+  p.chunks = static_cast<int32_t>((vecs_per_move + per_block - 1) / per_block);
+  launch.threads = static_cast<int32_t>(threads);
+  launch.blocks = p.num_moves * p.chunks;
+  return launch.blocks < (int64_t{1} << 31);
+}
+
+// Vector j of a move (0 <= j < vecs_per_move): its layer, and its byte offset
+// from the slot's start in that layer.
+VTOKEN_HD int64_t compact_kv_vector_offset(const CompactKVParams& p, uint32_t j, uint32_t& layer) {
+  uint32_t in_layer, row, vec;
+  p.layer_div.divmod(j, layer, in_layer);
+  p.vec_div.divmod(in_layer, row, vec);
+  return compact_kv_row_offset(p, row) + static_cast<int64_t>(vec) * p.vec_bytes;
 }
 
 }  // namespace vtoken

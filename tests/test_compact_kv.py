@@ -163,15 +163,18 @@ def run_backend(backend, caches, layout, src, dst, validate=None):
         from vtoken_kernels.compact_kv import compact_kv
 
         compact_kv(caches, layout, src, dst, validate=validate)
-    elif backend == "cpp":
+    elif backend in ("cpp", "cuda_emulated"):
         if validate:
             ref.check_slot_contract(layout, src, dst)
-        torch.ops.vtoken.compact_kv(caches, src, dst, *ref.layout_op_args(layout))
+        op = torch.ops.vtoken.compact_kv if backend == "cpp" else torch.ops.vtoken._compact_kv_cuda_emulated
+        op(caches, src, dst, *ref.layout_op_args(layout))
     else:
         raise AssertionError(backend)
 
 
-BACKENDS = ["torch", "triton", pytest.param("cpp", marks=needs_ext)]
+# cuda_emulated: the CUDA kernel's grid, vector numbering, addressing and
+# access-width choice run thread by thread on the CPU (alignment asserted).
+BACKENDS = ["torch", "triton", pytest.param("cpp", marks=needs_ext), pytest.param("cuda_emulated", marks=needs_ext)]
 
 
 def assert_arena_equal(actual: np.ndarray, expected: np.ndarray):
@@ -371,6 +374,39 @@ def test_cpp_op_rejects_bad_arguments():
 
 
 @needs_ext
+@pytest.mark.parametrize(
+    "variant,dtype,head_dim,misalign,vec_bytes",
+    [
+        ("nhd", torch.float16, 64, False, 16),
+        ("nhd", torch.float16, 64, True, 2),  # layer 1 starts one element off
+        ("vllm_fused", torch.bfloat16, 20, False, 16),  # 80-byte rows, 16-byte aligned strides
+        ("hnd", torch.float16, 20, False, 8),  # 40-byte rows
+        ("mla", torch.float32, 3, False, 4),
+        ("nhd_padded", torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else torch.uint8, 8, False, 1),
+    ],
+)
+def test_cuda_access_width(variant, dtype, head_dim, misalign, vec_bytes):
+    """The CUDA kernel uses the widest access that every row start allows."""
+    _, caches, layout = build_caches(variant, dtype, 4, 16, 2, head_dim, 2, misalign=misalign)
+    src, dst = random_moves(layout.num_slots, 5, 0)
+    width, threads, blocks = torch.ops.vtoken._compact_kv_cuda_config(caches, src, dst, *ref.layout_op_args(layout))
+    assert width == vec_bytes
+    assert threads % 32 == 0 and 32 <= threads <= 256
+    vectors = 2 * layout.rows_per_token * layout.head_dim * caches[0].element_size() // width
+    assert blocks == 5 * -(-vectors // (threads * 4))  # moves x chunks of threads x kUnroll vectors
+
+
+@needs_ext
+def test_cuda_emulated_more_layers_than_one_launch_holds():
+    """300 layers: the CUDA path splits into launches of 256 layer pointers."""
+    arena, caches, layout = build_caches("mla", torch.bfloat16, 6, 4, 1, 8, 300, seed=4)
+    src, dst = random_moves(layout.num_slots, 7, 4)
+    before = arena.snapshot()
+    torch.ops.vtoken._compact_kv_cuda_emulated(caches, src, dst, *ref.layout_op_args(layout))
+    assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, layout, src, dst))
+
+
+@needs_ext
 @pytest.mark.parametrize("variant,dtype", [("nhd", torch.float16), ("mla", torch.float32), ("vllm_fused_lbnhc", torch.bfloat16)])
 def test_opcheck(variant, dtype):
     _, caches, layout = build_caches(variant, dtype, 5, 4, 2, 8, 3)
@@ -444,12 +480,15 @@ def test_aot_compile_for_sm90_sm80(arch):
 
 
 GPU_VARIANTS = ["vllm_flash", "vllm_fused", "vllm_fused_blhnc", "nhd", "hnd", "mla", "nhd_padded", "split_kv"]
+# fp16 and bf16 share the int16 kernels: one of them; misaligned layers (one
+# element off) force the narrower CUDA accesses on three layouts.
+GPU_CASES = [(v, dt, False) for v in GPU_VARIANTS for dt in DTYPES if dt != torch.float16] + [
+    (v, torch.float16, True) for v in ("nhd", "vllm_fused", "mla")
+]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("variant", GPU_VARIANTS)
+@pytest.mark.parametrize("variant,dtype,misalign", GPU_CASES, ids=lambda x: str(x))
 def test_gpu_cuda_and_triton_match_reference(variant, dtype, misalign):
     from vtoken_kernels.compact_kv import compact_kv as triton_compact_kv
 

@@ -203,10 +203,26 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(INT_VIEW_DTYPE[t.element_size()])
 
 
-def compact_kv(kv_caches, layout: KVLayout, src_slots: torch.Tensor, dst_slots: torch.Tensor, *, validate=None) -> None:
-    """Reference ``compact_kv`` (in place): gather every source token, then scatter.
+def token_element_offsets(layout: KVLayout, slots: torch.Tensor) -> torch.Tensor:
+    """int64 ``[len(slots), rows_per_token * head_dim]``: element offsets of each slot's rows.
 
-    Same arguments as :func:`vtoken.ops.compact_kv`.
+    Straight from the KVLayout addressing formula (module docstring of
+    :mod:`vtoken.layout`), with no merging of contiguous dims.
+    """
+    dev = slots.device
+    kv = torch.arange(layout.num_kv, device=dev)[:, None]
+    head = torch.arange(layout.num_heads, device=dev)[None, :]
+    row_starts = (kv * layout.stride_kv + head * layout.stride_head).reshape(-1)
+    elems = (row_starts[:, None] + torch.arange(layout.head_dim, device=dev)[None, :]).reshape(-1)
+    block, offset = slots // layout.block_size, slots % layout.block_size
+    return (block * layout.stride_block + offset * layout.stride_offset)[:, None] + elems[None, :]
+
+
+def compact_kv(kv_caches, layout: KVLayout, src_slots: torch.Tensor, dst_slots: torch.Tensor, *, validate=None) -> None:
+    """Reference ``compact_kv`` (in place): per layer, gather every source row, then scatter.
+
+    Same arguments as :func:`vtoken.ops.compact_kv`. Works on a flat view of
+    each layer's elements with ``index_select`` / ``index_copy_``.
     """
     check_compact_kv_args(kv_caches, layout, src_slots, dst_slots, validate=validate)
     src, dst = src_slots.long(), dst_slots.long()
@@ -215,10 +231,10 @@ def compact_kv(kv_caches, layout: KVLayout, src_slots: torch.Tensor, dst_slots: 
     src, dst = src[keep], dst[keep]
     if src.numel() == 0:
         return
-    bs = layout.block_size
-    size = (layout.num_blocks, bs, layout.num_kv, layout.num_heads, layout.head_dim)
-    stride = (layout.stride_block, layout.stride_offset, layout.stride_kv, layout.stride_head, 1)
+    src_idx = token_element_offsets(layout, src).reshape(-1)
+    dst_idx = token_element_offsets(layout, dst).reshape(-1)
+    span = int(token_element_offsets(layout, torch.tensor([n - 1])).max()) + 1
     for t in kv_caches:
         v = int_view(t)
-        tokens = v.as_strided(size, stride, v.storage_offset())
-        tokens[dst // bs, dst % bs] = tokens[src // bs, src % bs]
+        flat = v.as_strided((span,), (1,), v.storage_offset())
+        flat.index_copy_(0, dst_idx, flat.index_select(0, src_idx))
