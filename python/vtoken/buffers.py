@@ -201,9 +201,14 @@ class DeviceMirror:
         slots = np.asarray(slots)
         if len(slots) != int(counts.sum()):
             raise InvalidArgumentError(f"slots: expected {int(counts.sum())} slots, got {len(slots)}")
-        over = np.flatnonzero(self._n[rows] + counts > self._cap[rows])
-        for i in over.tolist():
-            self._grow(int(rows[i]), int(self._n[rows[i]] + counts[i]))
+        need = self._n[rows] + counts
+        over = np.flatnonzero(need > self._cap[rows])
+        if len(over) == 1 and self._is_last(int(rows[over[0]])):
+            self._extend_last(int(rows[over[0]]), int(need[over[0]]))
+        elif len(over):
+            # One re-layout for all of them, sized for every batch request's new length.
+            order = sorted(self._tracked.values(), key=lambda r: self._start[r])
+            self._relayout(order, dict(zip(rows.tolist(), need.tolist())))
         if len(slots) == 0:
             return
         starts = np.cumsum(counts) - counts
@@ -300,17 +305,16 @@ class DeviceMirror:
         alive[: self._end].copy_(self.alive[: self._end])
         self.slots, self.alive = slots, alive
 
-    def _grow(self, row: int, need: int) -> None:
-        """Give ``row`` room for ``need`` tokens: extend in place if last, else re-lay out."""
-        s, cap = int(self._start[row]), int(self._cap[row])
-        if s + cap == self._end:
-            new_cap = self._seg_cap(need)
-            self._reserve_arena(s + new_cap)
-            self._cap[row] = new_cap
-            self._end = s + new_cap
-            return
-        order = sorted(self._tracked.values(), key=lambda r: self._start[r])
-        self._relayout(order, {row: need})
+    def _is_last(self, row: int) -> bool:
+        return int(self._start[row] + self._cap[row]) == self._end
+
+    def _extend_last(self, row: int, need: int) -> None:
+        """Grow the arena's last segment in place to hold ``need`` tokens."""
+        s = int(self._start[row])
+        new_cap = self._seg_cap(need)
+        self._reserve_arena(s + new_cap)
+        self._cap[row] = new_cap
+        self._end = s + new_cap
 
     def _relayout(self, rows_in_order: Sequence[int], need: Optional[dict] = None) -> None:
         """Rebuild the arena with the tracked segments in ``rows_in_order`` (others after), fresh slack."""
