@@ -11,8 +11,12 @@
 //  * shared: when the bins fit in shared memory (num_blocks <= kSmemBins) and
 //    each CTA sees at least kSmemMinTokensPerBin tokens per bin, a CTA
 //    accumulates a private histogram in shared memory and flushes its nonzero
-//    bins. NOTE: chosen by counting (the flush costs num_blocks per CTA), not
-//    yet measured on a GPU.
+//    bins. NOTE: a block holds at most block_size live tokens, so with the
+//    usual block sizes (16) no global counter is contended and this path is
+//    never taken; it pays for few large blocks (e.g. 1K blocks of 1024
+//    tokens), where thousands of tokens hit each counter. The threshold is
+//    chosen by counting (the flush costs num_blocks per CTA), not yet
+//    measured on a GPU.
 // F is written by the last CTA to finish (an atomic ticket after a
 // __threadfence, as in CUDA's threadFenceReduction sample).
 #include <cuda_runtime.h>

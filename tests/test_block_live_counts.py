@@ -252,9 +252,9 @@ def _gpu_backends():
 
 
 # (num_blocks, block_size, num_tokens): the first takes the CUDA shared-memory
-# histogram (num_blocks <= 8192, >= 4 tokens per bin per CTA), the others the
-# global-atomic one.
-GPU_SHAPES = [(1000, 16, 2_000_000), (100_000, 16, 1_000_000), (4096, 16, 3000)]
+# histogram (num_blocks <= 8192, >= 4 tokens per bin per CTA: large blocks),
+# the others the global-atomic one.
+GPU_SHAPES = [(1000, 4096, 2_000_000), (100_000, 16, 1_000_000), (4096, 16, 3000)]
 
 
 @pytest.mark.gpu
