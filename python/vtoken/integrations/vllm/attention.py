@@ -1,0 +1,256 @@
+"""vtoken's attention backend for vLLM 0.32: attention over each request's live slots.
+
+The backend reads K/V through ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``
+(:func:`vtoken.ops.token_attention`), never through vLLM's block table, so a
+token the policy evicted is never attended, even while its block is alive
+(this is what makes Naive-Evict honest), and a relocated token is read at its
+new slot. Positions are vLLM's (``num_computed_tokens + query position``):
+RoPE was applied at write time and never changes; the attention length is the
+live count.
+
+KV cache layout: vLLM 0.32 hands every backend one tensor per layer, logically
+``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` with K in the first
+``head_dim`` of the last dim (``vllm_fused`` in :mod:`vtoken.layout`), in any
+of vLLM's physical orders; :class:`vtoken.layout.KVLayout` takes the strides
+from the tensor. New K/V are written at vLLM's ``slot_mapping`` (PAD -1
+skipped): by vLLM's ``reshape_and_cache_flash`` on CUDA (the FlashAttention
+backend's write), by an indexed copy on CPU.
+
+CUDA graphs: the builder reports ``AttentionCGSupport.NEVER``, so vLLM runs
+attention eagerly between the pieces of a PIECEWISE graph (``cudagraph_mode``
+``NONE`` and ``PIECEWISE`` work; vLLM downgrades ``FULL*`` modes to
+piecewise for this backend). The slot lists live in fixed-address buffers
+(:class:`vtoken.buffers.SlotListBuffers`), so a full-graph capture is
+possible later; what stops it today is the per-step host bookkeeping of the
+builder (batch order, score split), see docs/vllm.md.
+
+Selection: ``AttentionBackendEnum.CUSTOM`` (registered by the plugin; select
+it with ``attention_config={"backend": "CUSTOM"}``). The CPU platform always
+asks for ``CPU_ATTN``; the plugin overrides that member with
+``vtoken.integrations.vllm.attention.CPUAttentionOrVToken``, which resolves
+(module ``__getattr__``) to :class:`VTokenAttentionBackend` when the vLLM
+config being built uses the vtoken connector and to vLLM's
+``CPUAttentionBackend`` otherwise.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import numpy as np
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+
+from vtoken import ops
+from vtoken.errors import InvariantViolation
+from vtoken.integrations.vllm import worker as worker_mod
+from vtoken.layout import KVLayout
+from vtoken.reference.token_attention import MAX_HEAD_DIM
+
+CONNECTOR_NAME = "VTokenConnector"
+
+# --------------------------------------------------------------------------- batch order
+# NOTE: vLLM's CommonAttentionMetadata does not name the requests of its rows.
+# The plugin wraps GPUModelRunner._build_attention_metadata / _dummy_run
+# (docs/vllm.md) to publish the persistent batch's order here.
+_BATCH = threading.local()
+
+
+def publish_batch(req_ids: Optional[list]) -> None:
+    """Set the request ids of the rows of the attention metadata being built (None: a dummy run)."""
+    _BATCH.req_ids = req_ids
+
+
+def published_batch() -> Optional[list]:
+    return getattr(_BATCH, "req_ids", None)
+
+
+# --------------------------------------------------------------------------- backend
+class VTokenAttentionBackend(AttentionBackend):
+    """Token-indexed attention over vtoken's slot lists (decoder self-attention)."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return [MultipleOf(1)]  # slots are decomposed as (slot // S, slot % S): any S
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [d for d in range(16, MAX_HEAD_DIM + 1, 16)]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type["VTokenAttentionImpl"]:
+        return VTokenAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["VTokenAttentionMetadataBuilder"]:
+        return VTokenAttentionMetadataBuilder
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+@dataclass
+class VTokenAttentionMetadata:
+    num_actual_tokens: int
+    num_reqs: int
+    q_indptr: torch.Tensor  # int32 [num_reqs + 1], vLLM's query_start_loc
+    kv_indices: Optional[torch.Tensor]  # int32 [nnz_max] (fixed address), None: no KV this step
+    kv_indptr: Optional[torch.Tensor]  # int32 [num_reqs + 1]
+    want_scores: bool = False
+
+
+class VTokenAttentionMetadataBuilder(AttentionMetadataBuilder[VTokenAttentionMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> VTokenAttentionMetadata:
+        cm = common_attn_metadata
+        q_indptr = cm.query_start_loc[: cm.num_reqs + 1]
+        worker = worker_mod.current()
+        req_ids = published_batch()
+        if worker is None or not worker.ready or not req_ids:
+            # Profiling / warm-up run (no connector yet, or a dummy batch): no KV to read.
+            return VTokenAttentionMetadata(cm.num_actual_tokens, cm.num_reqs, q_indptr, None, None)
+        qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].numpy().astype(np.int64)
+        n = min(len(req_ids), cm.num_reqs)
+        query_lens = np.diff(qsl)[:n]
+        seq_lens = None
+        if worker.checking and cm.seq_lens_cpu_upper_bound is not None:
+            seq_lens = cm.seq_lens_cpu_upper_bound[:n].numpy()
+        bufs = worker.build_slot_lists(list(req_ids[:n]), query_lens, seq_lens)
+        if worker.checking and cm.slot_mapping.device.type == "cpu":
+            t = int(query_lens.sum())
+            if not torch.equal(bufs.slot_mapping[:t].to(torch.int64), cm.slot_mapping[:t].to(torch.int64)):
+                raise InvariantViolation("worker mirror: vtoken's slot mapping differs from vLLM's")
+        return VTokenAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            num_reqs=cm.num_reqs,
+            q_indptr=q_indptr,
+            kv_indices=bufs.kv_indices,
+            kv_indptr=bufs.kv_indptr[: cm.num_reqs + 1],
+            want_scores=worker.want_scores,
+        )
+
+
+class VTokenAttentionImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes=None, sliding_window=None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap=None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name=None, sinks=None, **kwargs) -> None:
+        unsupported = {
+            "alibi_slopes": alibi_slopes is not None,
+            "sliding_window": sliding_window not in (None, -1),
+            "logits_soft_cap": logits_soft_cap not in (None, 0, 0.0),
+            "sinks": sinks is not None,
+            "attn_type": attn_type != AttentionType.DECODER,
+            "kv_cache_dtype": kv_cache_dtype not in ("auto", "float16", "bfloat16"),
+        }
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise NotImplementedError(f"vtoken attention backend: unsupported options {bad}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.attn_type = attn_type
+        self._layout_key = None
+        self._layout: Optional[KVLayout] = None
+
+    def _layout_of(self, kv_cache: torch.Tensor) -> KVLayout:
+        key = (tuple(kv_cache.shape), tuple(kv_cache.stride()))
+        if key != self._layout_key:
+            self._layout = KVLayout.from_tensor(kv_cache, worker_mod.KV_LAYOUT_NAME)
+            self._layout_key = key
+        return self._layout
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        """Write the step's K/V at ``slot_mapping`` (PAD -1 skipped), ``vllm_fused`` layout."""
+        d = self.head_size
+        if kv_cache.is_cuda:
+            from vllm._custom_ops import reshape_and_cache_flash
+
+            key_cache, value_cache = kv_cache.transpose(1, 2).split(d, dim=-1)
+            reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype,
+                                    layer._k_scale, layer._v_scale)
+            return
+        n = slot_mapping.shape[0]
+        sm = slot_mapping.to(torch.int64)
+        keep = sm >= 0
+        sm, k, v = sm[keep], key[:n][keep], value[:n][keep]
+        bs = kv_cache.shape[2]
+        blk, off = sm // bs, sm % bs
+        kv_cache[blk, :, off, :d] = k.to(kv_cache.dtype)
+        kv_cache[blk, :, off, d:] = v.to(kv_cache.dtype)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: Optional[VTokenAttentionMetadata], output: torch.Tensor,
+                output_scale=None, output_block_scale=None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("vtoken attention backend: fused output quantization is not supported")
+        if attn_metadata is None:  # warm-up
+            return output
+        t = attn_metadata.num_actual_tokens
+        out = output[:t]
+        if attn_metadata.kv_indices is None:
+            out.zero_()
+            return output
+        res = ops.token_attention(
+            query[:t], kv_cache, self._layout_of(kv_cache), attn_metadata.kv_indices, attn_metadata.kv_indptr,
+            attn_metadata.q_indptr, scale=self.scale, return_key_scores=attn_metadata.want_scores,
+        )
+        if attn_metadata.want_scores:
+            res, key_scores = res
+            worker_mod.current().add_key_scores(key_scores)
+        out.copy_(res)
+        return output
+
+
+# --------------------------------------------------------------------------- CPU routing
+def vtoken_selected(vllm_config=None) -> bool:
+    """Whether the vLLM config being built runs the vtoken connector."""
+    if vllm_config is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None:
+        return False
+    kvt = getattr(vllm_config, "kv_transfer_config", None)
+    return kvt is not None and kvt.kv_connector == CONNECTOR_NAME and bool(
+        (kvt.kv_connector_module_path or "").startswith("vtoken.")
+    )
+
+
+def __getattr__(name: str):
+    # PEP 562: resolved by AttentionBackendEnum.CPU_ATTN.get_class() on the CPU platform.
+    if name == "CPUAttentionOrVToken":
+        if vtoken_selected():
+            return VTokenAttentionBackend
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return CPUAttentionBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,112 @@
+"""The vtoken connector's configuration: ``KVTransferConfig.kv_connector_extra_config``.
+
+Keys (all optional):
+
+===================  =========================================================
+``mode``             ``"native"`` (indirection only, no eviction), ``"naive"``
+                     (evict; a block is freed once fully dead) or ``"vtoken"``
+                     (evict + reclaim). Default ``"vtoken"``.
+``policy``           a registered policy name (``vtoken.policies.available()``);
+                     required unless ``mode == "native"``.
+``policy_config``    keyword arguments of ``vtoken.policies.get(policy, ...)``,
+                     e.g. ``{"budget": 0.5, "window": 32, "sink": 4}``.
+``reclaim``          fields of :class:`vtoken.reclaim.ReclaimConfig` except
+                     ``mode`` (``theta_F``, ``low_watermark``,
+                     ``headroom_blocks``, ``check_interval``,
+                     ``max_src_per_plan``, ``max_moves_per_step``, ``min_gain``,
+                     ``force_sync``, ``check_invariants``).
+``drop_tainted_hashes``  drop the prefix-cache hash of every block computed
+                     after a request's first eviction (default ``True``; see
+                     docs/vllm.md, "Prefix caching").
+``check_invariants`` run vtoken's invariant checks every step on both sides
+                     (table/ledger vs vLLM's block lists, mirror vs slot
+                     mapping, I1 around copies). ``None`` (default) reads
+                     ``VTOKEN_DEBUG_INVARIANTS``.
+===================  =========================================================
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from vtoken.errors import InvalidArgumentError, InvalidTypeError
+
+MODES = ("native", "naive", "vtoken")
+_KEYS = ("mode", "policy", "policy_config", "reclaim", "drop_tainted_hashes", "check_invariants")
+
+
+@dataclass(frozen=True)
+class VTokenVLLMConfig:
+    """Validated ``kv_connector_extra_config``; see the module docstring."""
+
+    mode: str = "vtoken"
+    policy: Optional[str] = None
+    policy_config: dict = field(default_factory=dict)
+    reclaim: dict = field(default_factory=dict)
+    drop_tainted_hashes: bool = True
+    check_invariants: Optional[bool] = None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise InvalidArgumentError(f"mode: expected one of {MODES}, got {self.mode!r}")
+        if self.policy is not None and not isinstance(self.policy, str):
+            raise InvalidTypeError(f"policy: expected a policy name (str), got {type(self.policy).__name__}")
+        if self.mode != "native" and self.policy is None:
+            raise InvalidArgumentError(f"policy: expected a policy name for mode {self.mode!r}, got None")
+        for name in ("policy_config", "reclaim"):
+            if not isinstance(getattr(self, name), dict):
+                raise InvalidTypeError(f"{name}: expected a dict, got {type(getattr(self, name)).__name__}")
+        if "mode" in self.reclaim:
+            raise InvalidArgumentError("reclaim: expected no 'mode' key (the connector's 'mode' sets it), got one")
+        if not isinstance(self.drop_tainted_hashes, bool):
+            raise InvalidTypeError(f"drop_tainted_hashes: expected a bool, got {type(self.drop_tainted_hashes).__name__}")
+        if self.check_invariants is not None and not isinstance(self.check_invariants, bool):
+            raise InvalidTypeError(f"check_invariants: expected a bool or None, got {type(self.check_invariants).__name__}")
+        # Build both once so a bad policy or reclaim config fails at startup, naming the key.
+        self.make_policy()
+        self.make_reclaim_config()
+
+    @classmethod
+    def from_extra_config(cls, extra: Optional[dict]) -> "VTokenVLLMConfig":
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(_KEYS))
+        if unknown:
+            raise InvalidArgumentError(f"kv_connector_extra_config: expected keys among {list(_KEYS)}, got unknown {unknown}")
+        return cls(**extra)
+
+    @property
+    def evicts(self) -> bool:
+        return self.mode != "native"
+
+    @property
+    def checking(self) -> bool:
+        if self.check_invariants is not None:
+            return self.check_invariants
+        return os.environ.get("VTOKEN_DEBUG_INVARIANTS", "") not in ("", "0")
+
+    def make_policy(self):
+        """A fresh policy object, or None in native mode."""
+        if not self.evicts:
+            return None
+        from vtoken import policies
+
+        policy = policies.get(self.policy, **self.policy_config)
+        if policy.score_source not in ("exact", "none"):
+            raise InvalidArgumentError(
+                f"policy: expected a policy scored by exact attention or by nothing (the vLLM backend returns "
+                f"token_attention key scores), got {self.policy!r} with score source {policy.score_source!r}"
+            )
+        return policy
+
+    def make_reclaim_config(self):
+        from vtoken.reclaim import ReclaimConfig
+
+        fields = {f.name for f in dataclasses.fields(ReclaimConfig)} - {"mode"}
+        unknown = sorted(set(self.reclaim) - fields)
+        if unknown:
+            raise InvalidArgumentError(f"reclaim: expected keys among {sorted(fields)}, got unknown {unknown}")
+        cfg: dict[str, Any] = dict(self.reclaim)
+        cfg.setdefault("check_invariants", self.check_invariants)
+        return ReclaimConfig(mode=self.mode, **cfg)

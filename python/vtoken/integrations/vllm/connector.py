@@ -1,0 +1,130 @@
+"""``VTokenConnector``: vtoken as a vLLM 0.32 KV connector (``kv_connector_module_path``).
+
+Load it with::
+
+    KVTransferConfig(kv_connector="VTokenConnector",
+                     kv_connector_module_path="vtoken.integrations.vllm.connector",
+                     kv_role="kv_both",
+                     kv_connector_extra_config={...})   # see vtoken.integrations.vllm.config
+
+The scheduler role drives :class:`vtoken.integrations.vllm.scheduler.SchedulerSide`,
+the worker role :class:`vtoken.integrations.vllm.worker.WorkerSide`. vtoken
+moves no KV across processes or nodes: ``get_num_new_matched_tokens`` only
+reports 0 (or ``None`` to hold an admission back under backpressure), and the
+load / save hooks are used as the pre- and post-forward points of a step.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.logger import init_logger
+
+from vtoken.integrations.vllm.config import VTokenVLLMConfig
+from vtoken.integrations.vllm.meta import VTokenConnectorMetadata, VTokenWorkerMetadata
+
+logger = init_logger(__name__)
+
+__all__ = ["VTokenConnector", "VTokenConnectorMetadata", "VTokenWorkerMetadata"]
+
+
+class VTokenConnector(KVConnectorBase_V1):
+    """See the module docstring and docs/vllm.md."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.vtoken_config = VTokenVLLMConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        if vllm_config.speculative_config is not None:
+            raise ValueError("speculative decoding: expected none with the vtoken connector, got a speculative config")
+        if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+            raise ValueError(
+                "async_scheduling: expected False with the vtoken connector (the scheduler commits relocations "
+                "and evictions between steps), got True"
+            )
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("pipeline_parallel_size: expected 1 with the vtoken connector")
+        self.scheduler_side = None
+        self.worker_side = None
+        if role == KVConnectorRole.SCHEDULER:
+            from vtoken.integrations.vllm.scheduler import SchedulerSide
+
+            self.scheduler_side = SchedulerSide(self.vtoken_config)
+        else:
+            from vtoken.integrations.vllm import worker
+
+            rc = self.vtoken_config.make_reclaim_config()
+            sc = vllm_config.scheduler_config
+            self.worker_side = worker.WorkerSide(
+                max_reqs=sc.max_num_seqs, max_tokens=sc.max_num_batched_tokens,
+                max_moves=rc.max_moves_per_step, force_sync=rc.force_sync, checking=self.vtoken_config.checking,
+            )
+            worker.set_current(self.worker_side)
+        logger.info("vtoken connector (%s role): mode=%s policy=%s", role.name, self.vtoken_config.mode,
+                    self.vtoken_config.policy)
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        # The first call of GPUModelRunner.execute_model, before the attention
+        # metadata is built: the pre-forward point of the step.
+        if isinstance(kv_connector_metadata, VTokenConnectorMetadata):
+            self.worker_side.begin_step(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        return  # vtoken loads no KV from outside
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        # Called once per step after the forward: launch the relocation copy.
+        self.worker_side.end_step()
+
+    def build_connector_worker_meta(self) -> Optional[VTokenWorkerMetadata]:
+        return self.worker_side.worker_meta()
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self.worker_side is not None:
+            self.worker_side.clear()
+
+    def shutdown(self):
+        if self.worker_side is not None:
+            from vtoken.integrations.vllm import worker
+
+            if worker.current() is self.worker_side:
+                worker.set_current(None)
+        if self.scheduler_side is not None:
+            self.scheduler_side.shutdown()
+
+    # ============================================================= scheduler side
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler_side.bind(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        if self.scheduler_side.admission_blocked():
+            return None, False  # backpressure: the scheduler skips the request this step
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        return
+
+    def build_connector_meta(self, scheduler_output) -> VTokenConnectorMetadata:
+        return self.scheduler_side.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler_side.update_output(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request, block_ids: list[int]):
+        self.scheduler_side.request_finished(request.request_id)
+        return False, None
+
+    def stats(self) -> dict:
+        """Scheduler-side counters and pool state (the scheduler role only)."""
+        return self.scheduler_side.summary() if self.scheduler_side is not None else {}

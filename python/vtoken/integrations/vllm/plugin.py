@@ -1,0 +1,89 @@
+"""The ``vllm.general_plugins`` entry point (``vtoken = vtoken.integrations.vllm.plugin:register``).
+
+vLLM calls :func:`register` in every process it starts (API server, engine
+core, workers) before building a model. It:
+
+1. registers :class:`vtoken.integrations.vllm.attention.VTokenAttentionBackend`
+   as ``AttentionBackendEnum.CUSTOM`` (select it with
+   ``attention_config={"backend": "CUSTOM"}``; honoured on CUDA);
+2. on the CPU platform, which always picks ``CPU_ATTN``, overrides that member
+   with a path that resolves to vtoken's backend only when the config being
+   built uses the vtoken connector (vLLM's ``CPUAttentionBackend`` otherwise);
+3. wraps ``GPUModelRunner._build_attention_metadata`` / ``_dummy_run`` (the V1
+   runner; the CPU runner inherits them) to publish the batch's request order
+   to vtoken's metadata builder (vLLM's builders do not receive request ids).
+
+The connector itself needs no registration: ``kv_connector_module_path``
+loads it. :func:`register` is idempotent and never raises on an unsupported
+vLLM (it logs why it did nothing), so installing vtoken cannot break vLLM.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+logger = logging.getLogger("vtoken.vllm")
+
+BACKEND_PATH = "vtoken.integrations.vllm.attention.VTokenAttentionBackend"
+CPU_DISPATCH_PATH = "vtoken.integrations.vllm.attention.CPUAttentionOrVToken"
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register vtoken's attention backend and runner hook with vLLM (see module docstring)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from vtoken.integrations.vllm import vllm_available
+
+    ok, why = vllm_available()
+    if not ok:
+        logger.warning("vtoken: vLLM plugin not registered: %s", why)
+        return
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    if current_platform.is_cpu():
+        register_backend(AttentionBackendEnum.CPU_ATTN, CPU_DISPATCH_PATH)
+    _install_runner_hook()
+    _REGISTERED = True
+
+
+def _install_runner_hook() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vtoken.integrations.vllm.attention import publish_batch, published_batch
+
+    build = GPUModelRunner._build_attention_metadata
+    if getattr(build, "_vtoken_hook", False):
+        return
+
+    @functools.wraps(build)
+    def _build_attention_metadata(self, *args, **kwargs):
+        num_reqs = kwargs["num_reqs"] if "num_reqs" in kwargs else args[1]
+        outer = published_batch()
+        if not getattr(self, "_vtoken_in_dummy_run", False):
+            publish_batch(list(self.input_batch.req_ids[:num_reqs]))
+        try:
+            return build(self, *args, **kwargs)
+        finally:
+            publish_batch(outer)
+
+    _build_attention_metadata._vtoken_hook = True
+    GPUModelRunner._build_attention_metadata = _build_attention_metadata
+
+    dummy = GPUModelRunner._dummy_run
+
+    @functools.wraps(dummy)
+    def _dummy_run(self, *args, **kwargs):
+        # A profiling / capture batch has no vtoken requests: the builder reads no KV.
+        prev = getattr(self, "_vtoken_in_dummy_run", False)
+        self._vtoken_in_dummy_run = True
+        publish_batch(None)
+        try:
+            return dummy(self, *args, **kwargs)
+        finally:
+            self._vtoken_in_dummy_run = prev
+
+    GPUModelRunner._dummy_run = _dummy_run

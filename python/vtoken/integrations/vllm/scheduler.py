@@ -1,0 +1,384 @@
+"""The scheduler side of the vtoken connector: mirror, policy, reclamation, block surgery.
+
+One :class:`SchedulerSide` lives in vLLM's engine-core process next to the
+``KVCacheManager``. Per step (vLLM calls in this order):
+
+1. ``schedule()`` allocates blocks; :meth:`SchedulerSide.admission_blocked`
+   answers ``get_num_new_matched_tokens`` (backpressure).
+2. :meth:`SchedulerSide.build_meta` (``build_connector_meta``, the last call of
+   ``schedule()``): forget preempted requests, mirror the step's new tokens and
+   the blocks vLLM gave them into the token table (the adapter hands the table
+   exactly those blocks), run the reclamation manager (plan, bookkeeping
+   launch, commit), copy the table's block-list changes into vLLM's lists
+   (freed positions become the null block, destinations take the first source
+   positions), drop the hashes of blocks whose KV no longer matches their
+   prefix, and ship the deltas to the workers.
+3. The workers run the forward, copy the relocated K/V after it and return the
+   step's attention scores.
+4. :meth:`SchedulerSide.request_finished` (before vLLM frees a finished
+   request's blocks) and :meth:`SchedulerSide.update_output` (after it): the
+   policy picks victims from the scores, the table evicts them (Naive-Evict
+   releases fully dead blocks at once, and the surgery nulls them in vLLM).
+
+Nothing here touches a tensor.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from vtoken.errors import InvariantViolation
+from vtoken.integrations.vllm.allocator import VLLMBlockAllocator, drop_hashes
+from vtoken.integrations.vllm.config import VTokenVLLMConfig
+from vtoken.integrations.vllm.meta import VTokenConnectorMetadata
+from vtoken.integrations.vllm.surgery import apply_block_list, block_ids
+from vtoken.ledger import OWNED, SHARED, BlockLedger
+from vtoken.pool import NULL_BLOCK
+from vtoken.table import TokenTable
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _Req:
+    """Scheduler-side state of one request."""
+
+    acc: object = None  # ScoreAccumulator of exact-score policies
+    synced: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # vLLM list as vtoken last wrote it
+    num_new: int = 0  # tokens appended this step
+    scheduled_step: int = -1
+    taint_tokens: Optional[int] = None  # tokens [taint_tokens, ...) were computed after the first eviction
+    hashes_checked: int = 0  # block positions below this were already cleared of tainted hashes
+
+
+class _MoveLog:
+    """The reclamation manager's "mirror": collects the committed moves to ship to the workers."""
+
+    def __init__(self, table: TokenTable):
+        self.table = table
+        self.moves: dict = {}
+
+    def record_moves(self, req, token_ids, new_slots) -> None:
+        t = np.asarray(token_ids, dtype=np.int64)
+        s = np.asarray(new_slots, dtype=np.int32)
+        if req in self.moves:
+            t0, s0 = self.moves[req]
+            t, s = np.concatenate([t0, t]), np.concatenate([s0, s])
+        self.moves[req] = (t, s)
+
+    def remove_request(self, req) -> None:
+        self.moves.pop(req, None)
+
+    def check_against_table(self) -> None:
+        for req, (t, s) in self.moves.items():
+            if req not in self.table:
+                raise InvariantViolation(f"move log: moves of unregistered request {req!r}")
+            alive = self.table.is_alive(req, t)
+            if not np.array_equal(self.table.slots(req)[t[alive]], s[alive]):
+                raise InvariantViolation(f"move log: committed slots of {req!r} differ from the table")
+
+    def take(self) -> dict:
+        out, self.moves = self.moves, {}
+        return out
+
+
+class SchedulerSide:
+    """See the module docstring. ``bind`` must be called before anything else."""
+
+    def __init__(self, config: VTokenVLLMConfig):
+        self.config = config
+        self.policy = config.make_policy()
+        self.reclaim_config = config.make_reclaim_config()
+        self.step = 0
+        self._reqs: dict = {}
+        self._dropped: list = []  # requests forgotten since the last metadata
+        self._evictions: dict = {}  # victims since the last metadata
+        self.bound = False
+        self.stats = {
+            "steps": 0, "evicted_tokens": 0, "relocations": 0, "plans": 0, "reclaimed_blocks": 0,
+            "naive_released_blocks": 0, "hashes_dropped": 0, "backpressure_skips": 0,
+            "peak_blocks_in_use": 0, "sum_blocks_in_use": 0, "peak_blocks_held": 0, "sum_blocks_held": 0,
+            "mirror_us": 0.0, "policy_us": 0.0, "reclaim_us": 0.0,
+        }
+
+    # ------------------------------------------------------------------ setup
+    def bind(self, kv_cache_manager) -> None:
+        from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+        managers = kv_cache_manager.coordinator.single_type_managers
+        if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
+            raise ValueError(
+                "kv_cache_manager: expected one full-attention KV cache group (vtoken supports decoder models "
+                f"with full attention), got {[type(m).__name__ for m in managers]}"
+            )
+        self.kvm = kv_cache_manager
+        self.stm = managers[0]
+        self.pool = kv_cache_manager.block_pool
+        self.S = int(self.stm.block_size)
+        from vtoken.reclaim import ReclamationManager
+
+        usable = int(self.pool.num_gpu_blocks) - 1
+        _, headroom = self.reclaim_config.resolve(usable)
+        self.alloc = VLLMBlockAllocator(self.pool, headroom=headroom if self.config.mode == "vtoken" else 0)
+        self.ledger = BlockLedger(self.alloc, self.S)
+        self.table = TokenTable(self.ledger)
+        self.log = _MoveLog(self.table)
+        self.manager = ReclamationManager(self.table, self.reclaim_config, mirror=self.log)
+        self._sync_reserve()
+        self.bound = True
+
+    def _sync_reserve(self) -> None:
+        # NOTE: the ledger's reserve must equal the blocks physically stashed:
+        # mirroring a vLLM allocation must never fail on a soft reserve that
+        # vLLM's own admission did not respect.
+        self.ledger.set_reserve(self.alloc.held)
+
+    # -------------------------------------------------------------- admission
+    def admission_blocked(self) -> bool:
+        """Backpressure: hold new admissions while reclamation is pending at low memory."""
+        if not self.bound:
+            return False
+        blocked = self.manager.admission_budget().backpressure
+        self.stats["backpressure_skips"] += int(blocked)
+        return blocked
+
+    # -------------------------------------------------------------- per step
+    def build_meta(self, so) -> VTokenConnectorMetadata:
+        """Mirror the scheduled step ``so`` (a vLLM ``SchedulerOutput``); return the worker deltas."""
+        t0 = time.perf_counter()
+        for rid in sorted(so.preempted_req_ids or ()):
+            if rid in self.table:
+                # vLLM freed every block of the request already (_preempt_request).
+                self._forget(rid, vllm_frees=set(self.table.block_list(rid).tolist()))
+        computed = {d.req_id: d.num_computed_tokens for d in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        for rid, c in zip(cached.req_ids, cached.num_computed_tokens):
+            computed[rid] = c
+        reqs, counts, new_blocks = [], [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            if rid not in self.table:
+                self._admit(rid, computed[rid])
+            st = self._reqs[rid]
+            have = self.table.num_tokens(rid)
+            if have != computed[rid]:
+                raise InvariantViolation(
+                    f"mirror: request {rid!r} has {have} tokens in vtoken's table, vLLM computed {computed[rid]}"
+                )
+            vids = block_ids(self.stm, rid)
+            lo, hi = _cdiv(have, self.S), _cdiv(have + n, self.S)
+            if len(vids) < hi:
+                raise InvariantViolation(f"mirror: vLLM holds {len(vids)} blocks for {rid!r}, {hi} needed")
+            reqs.append(rid)
+            counts.append(int(n))
+            new_blocks.append(vids[lo:hi])
+            st.num_new = int(n)
+            st.scheduled_step = self.step
+        appends = {}
+        if reqs:
+            with self.alloc.mirroring(np.concatenate(new_blocks).tolist()):
+                slots = self.table.sync_new_tokens_batch(reqs, counts)
+            if slots is None:
+                raise InvariantViolation("mirror: the table could not take the blocks vLLM allocated")
+            ends = np.cumsum(counts)
+            for rid, a, b, nb in zip(reqs, ends - np.asarray(counts), ends, new_blocks):
+                appends[rid] = slots[a:b]
+                st = self._reqs[rid]
+                st.synced = np.concatenate([st.synced, nb.astype(np.int32)])
+        t1 = time.perf_counter()
+        moves = self._reclaim()
+        t2 = time.perf_counter()
+        if self.config.drop_tainted_hashes and self.pool.enable_caching:
+            self._drop_tainted_hashes()
+        meta = VTokenConnectorMetadata(
+            step=self.step,
+            dropped=self._dropped,
+            evictions=self._evictions,
+            appends=appends,
+            moves=moves,
+            want_scores=self.policy is not None and self.policy.score_source == "exact",
+        )
+        self._dropped, self._evictions = [], {}
+        self._sample_usage()
+        if self.config.checking:
+            self.check()
+        self.stats["mirror_us"] += (t1 - t0) * 1e6
+        self.stats["reclaim_us"] += (t2 - t1) * 1e6
+        self.stats["steps"] += 1
+        self.step += 1
+        return meta
+
+    def _admit(self, rid, num_computed: int) -> None:
+        """Register a request (new or resumed); ``num_computed`` tokens are prefix-cache hits."""
+        led, S = self.ledger, self.S
+        vids = block_ids(self.stm, rid)
+        full = num_computed // S
+        hits = vids[: _cdiv(num_computed, S)]
+        # Hits that live requests hold, unchanged at the same position, are shared.
+        j = 0
+        while j < full and led.state[hits[j]] in (OWNED, SHARED) and led.pos[hits[j]] == j:
+            j += 1
+        rest = hits[j:]
+        foreign = rest[np.isin(led.state[rest], (OWNED, SHARED))] if rest.size else rest
+        if foreign.size:
+            # NOTE: unreachable while every mid-request free drops the block's hash
+            # (allocator.free) and tainted blocks lose theirs; kept as a loud check.
+            raise InvariantViolation(
+                f"mirror: prefix-cache hit of {rid!r} reuses blocks {foreign[:8].tolist()} held by other requests "
+                "after a block that is not; vtoken cannot share them (disable prefix caching)"
+            )
+        with self.alloc.mirroring(()):
+            self.table.add_request(rid, prefix_blocks=hits[:j])
+        st = _Req(acc=self.policy.make_accumulator() if self.policy is not None else None)
+        st.synced = hits[:j].astype(np.int32)
+        self._reqs[rid] = st
+        if rest.size:
+            # Freed-but-cached blocks vLLM touched back: now owned by this request.
+            with self.alloc.mirroring(rest.tolist()):
+                if self.table.sync_new_tokens(rid, num_computed - j * S) is None:
+                    raise InvariantViolation(f"mirror: could not register the cached blocks of {rid!r}")
+            st.synced = np.concatenate([st.synced, rest.astype(np.int32)])
+
+    def _reclaim(self) -> dict:
+        mgr = self.manager
+        plans = mgr.maybe_plan()
+        mgr.launch(plans)  # bookkeeping only here: the workers copy after their forward
+        freed = mgr.commit()
+        moves = self.log.take()
+        if plans:
+            self.stats["plans"] += len(plans)
+            self.stats["relocations"] += int(sum(len(t) for t, _ in moves.values()))
+            self.stats["reclaimed_blocks"] += int(len(freed))
+        for p in plans:
+            if p.request in self.table:
+                self._sync(p.request)
+                # A destination's bytes no longer match any prefix: make sure it carries no hash.
+                self.stats["hashes_dropped"] += drop_hashes(self.pool, p.dst_blocks.tolist())
+        self.alloc.top_up()
+        self._sync_reserve()
+        return moves
+
+    def _sync(self, rid) -> None:
+        """Copy the table's block-list changes of ``rid`` into vLLM's list."""
+        st = self._reqs[rid]
+        new = self.table.block_list(rid)
+        apply_block_list(self.stm, self.pool, rid, new, st.synced)
+        st.synced = new.astype(np.int32)
+
+    def _drop_tainted_hashes(self) -> None:
+        # NOTE: a token appended after a request's first eviction was computed by
+        # attention over a pruned context, so its K/V (from layer 1 on) differ
+        # from what the block's hash promises to a later request. vLLM hashes a
+        # position once it is full (num_cached_block); clear those hashes.
+        for rid, st in self._reqs.items():
+            if st.taint_tokens is None:
+                continue
+            ncached = int(self.stm.num_cached_block.get(rid, 0))
+            lo = max(st.taint_tokens // self.S, st.hashes_checked)
+            if ncached > lo:
+                ids = st.synced[lo:ncached]
+                self.stats["hashes_dropped"] += drop_hashes(self.pool, ids[ids != NULL_BLOCK].tolist())
+                st.hashes_checked = ncached
+
+    def _sample_usage(self) -> None:
+        in_use = int(self.pool.num_gpu_blocks) - 1 - int(self.pool.get_num_free_blocks())
+        held = in_use - self.alloc.held
+        s = self.stats
+        s["peak_blocks_in_use"] = max(s["peak_blocks_in_use"], in_use)
+        s["sum_blocks_in_use"] += in_use
+        s["peak_blocks_held"] = max(s["peak_blocks_held"], held)
+        s["sum_blocks_held"] += held
+
+    # ---------------------------------------------------------- after the step
+    def update_output(self, worker_meta) -> None:
+        """Run the policy for the requests of the step just executed, with its scores."""
+        if self.policy is None:
+            return
+        t0 = time.perf_counter()
+        step = self.step - 1
+        scores = worker_meta.scores if worker_meta is not None and worker_meta.step == step else {}
+        exact = self.policy.score_source == "exact"
+        for rid, st in self._reqs.items():
+            if st.scheduled_step != step or rid not in self.table:
+                continue
+            ids = self.table.live_ids(rid)
+            if exact:
+                s = scores.get(rid)
+                if s is None:
+                    continue  # no attention this step (not computed by the workers)
+                if len(s) != len(ids):
+                    raise InvariantViolation(
+                        f"scores: request {rid!r} has {len(ids)} live tokens, the workers scored {len(s)}"
+                    )
+                st.acc.update(ids, s)
+            view = self.policy.view(rid, step, ids, seq_len=self.table.num_tokens(rid), num_new=st.num_new,
+                                    scores=st.acc)
+            victims = self.policy.select_victims(view)
+            if victims.size == 0:
+                continue
+            held = self.table.held_blocks(rid)
+            self.table.evict(rid, victims)
+            self.stats["naive_released_blocks"] += held - self.table.held_blocks(rid)
+            self.stats["evicted_tokens"] += int(victims.size)
+            if st.taint_tokens is None:
+                st.taint_tokens = self.table.num_tokens(rid)
+            self._sync(rid)
+            prev = self._evictions.get(rid)
+            self._evictions[rid] = victims if prev is None else np.concatenate([prev, victims])
+        self.stats["policy_us"] += (time.perf_counter() - t0) * 1e6
+        if self.config.checking:
+            self.check()
+
+    def request_finished(self, rid) -> None:
+        """vLLM is about to free the request's blocks: drop it from the table without freeing them."""
+        if rid in self.table:
+            self._forget(rid, vllm_frees=set(block_ids(self.stm, rid).tolist()))
+
+    def _forget(self, rid, *, vllm_frees: set) -> None:
+        with self.alloc.detached(vllm_frees):
+            self.manager.finish_request(rid)
+        self._reqs.pop(rid, None)
+        self._evictions.pop(rid, None)
+        self._dropped.append(rid)
+
+    def shutdown(self) -> None:
+        if self.bound:
+            self.alloc.release_stash()
+            self._sync_reserve()
+
+    # ---------------------------------------------------------------- checks
+    def check(self) -> None:
+        """Table/ledger invariants, and vLLM's block lists equal vtoken's (O(blocks))."""
+        self.table.check_invariants()
+        for rid, st in self._reqs.items():
+            if rid not in self.table:
+                continue
+            tl = self.table.block_list(rid)
+            vl = block_ids(self.stm, rid)[: len(tl)]
+            if not np.array_equal(tl, vl):
+                bad = np.flatnonzero(tl != vl)[:8]
+                raise InvariantViolation(
+                    f"surgery: vLLM's block list of {rid!r} differs from vtoken's at positions {bad.tolist()} "
+                    f"(vLLM {vl[bad].tolist()}, vtoken {tl[bad].tolist()})"
+                )
+            live = tl[tl != NULL_BLOCK]
+            refs = self.alloc.ref_count(live) if live.size else np.zeros(0)
+            if (refs < 1).any():
+                raise InvariantViolation(f"surgery: request {rid!r} lists freed blocks {live[refs < 1][:8].tolist()}")
+
+    def summary(self) -> dict:
+        """Counters plus the current pool state (for tests and logs)."""
+        out = dict(self.stats)
+        if self.bound:
+            out.update(
+                num_gpu_blocks=int(self.pool.num_gpu_blocks),
+                free_blocks=int(self.pool.get_num_free_blocks()),
+                headroom_held=self.alloc.held,
+                requests=len(self._reqs),
+                waste_ratio=float(self.ledger.waste_ratio),
+            )
+        return out

@@ -1,0 +1,330 @@
+"""The worker side of the vtoken connector: token-table mirror, slot lists, relocation copies, scores.
+
+One :class:`WorkerSide` per worker process (one per tensor-parallel rank),
+created by the connector's ``WORKER`` role and published with
+:func:`set_current` so the attention backend of the same process finds it.
+
+Per step:
+
+- ``handle_preemptions`` (first call of ``execute_model``): apply the step's
+  deltas to the host shadow and the device mirror (:class:`vtoken.buffers.
+  DeviceMirror`), then ``CopyEngine.before_forward``: the compute stream waits
+  on the last relocation event (I3; no host wait);
+- the attention metadata builder calls :meth:`WorkerSide.build_slot_lists`:
+  ``ops.build_slot_lists`` rebuilds ``kv_indices`` / ``kv_indptr`` /
+  ``slot_mapping`` in fixed-address buffers from the device mirror;
+- the attention backend adds each layer's ``token_attention`` key scores into
+  one per-step buffer (:meth:`WorkerSide.add_key_scores`);
+- ``wait_for_save`` (after the forward): ONE ``compact_kv`` launch on the
+  relocation stream covers every move of the step, then the mirror takes the
+  new slots;
+- ``build_connector_worker_meta``: the step's per-request scores go back to
+  the scheduler (the only device-to-host copy; only when the policy needs it).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import numpy as np
+import torch
+
+from vtoken import invariants
+from vtoken.buffers import DeviceMirror, SlotListBuffers
+from vtoken.copy_engine import CopyEngine
+from vtoken.errors import InvalidArgumentError, InvariantViolation
+from vtoken.integrations.vllm.meta import VTokenConnectorMetadata, VTokenWorkerMetadata
+from vtoken.layout import KVLayout
+
+KV_LAYOUT_NAME = "vllm_fused"  # vLLM 0.32's per-layer view [num_blocks, H, block_size, 2*D] (docs/vllm.md)
+
+_CURRENT: Optional["WorkerSide"] = None
+_LOCK = threading.Lock()
+
+
+def set_current(worker: Optional["WorkerSide"]) -> None:
+    global _CURRENT
+    with _LOCK:
+        _CURRENT = worker
+
+
+def current() -> Optional["WorkerSide"]:
+    """The :class:`WorkerSide` of this process, or None before the connector exists (profiling)."""
+    return _CURRENT
+
+
+class ShadowTable:
+    """Host copy of every tracked request's slots and alive bits, fed by the scheduler's deltas.
+
+    It is the ``table`` a :class:`DeviceMirror` reads (``row_of``,
+    ``num_tokens``, ``live_count``, ``slots``, ``live_mask``) and it gives the
+    source slots of a move (a token's slot before the move).
+    """
+
+    def __init__(self):
+        self._rows: dict = {}
+        self._free_rows: list[int] = []
+        self._slots: list = []
+        self._alive: list = []
+        self._n: list = []
+        self._live: list = []
+
+    def __contains__(self, req) -> bool:
+        return req in self._rows
+
+    def requests(self) -> list:
+        return list(self._rows)
+
+    def add(self, req) -> None:
+        if req in self._rows:
+            raise InvalidArgumentError(f"req: expected a new request, got already tracked {req!r}")
+        if self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            row = len(self._n)
+            for a in (self._slots, self._alive, self._n, self._live):
+                a.append(None)
+        self._rows[req] = row
+        self._slots[row] = np.full(64, -1, dtype=np.int32)
+        self._alive[row] = np.zeros(64, dtype=bool)
+        self._n[row] = 0
+        self._live[row] = 0
+
+    def remove(self, req) -> None:
+        row = self._rows.pop(req, None)
+        if row is not None:
+            self._slots[row] = self._alive[row] = None
+            self._free_rows.append(row)
+
+    def row_of(self, req) -> int:
+        try:
+            return self._rows[req]
+        except KeyError:
+            raise InvariantViolation(f"worker mirror: request {req!r} is not tracked") from None
+
+    def num_tokens(self, req) -> int:
+        return self._n[self.row_of(req)]
+
+    def live_count(self, req) -> int:
+        return self._live[self.row_of(req)]
+
+    def slots(self, req) -> np.ndarray:
+        r = self.row_of(req)
+        return self._slots[r][: self._n[r]].copy()
+
+    def live_mask(self, req) -> np.ndarray:
+        r = self.row_of(req)
+        return self._alive[r][: self._n[r]].copy()
+
+    def live_slots(self, req) -> np.ndarray:
+        r = self.row_of(req)
+        n = self._n[r]
+        return self._slots[r][:n][self._alive[r][:n]]
+
+    def append(self, req, slots: np.ndarray) -> None:
+        r = self.row_of(req)
+        n, k = self._n[r], len(slots)
+        if n + k > len(self._slots[r]):
+            cap = max(n + k, len(self._slots[r]) * 3 // 2)
+            s = np.full(cap, -1, dtype=np.int32)
+            a = np.zeros(cap, dtype=bool)
+            s[:n], a[:n] = self._slots[r][:n], self._alive[r][:n]
+            self._slots[r], self._alive[r] = s, a
+        self._slots[r][n : n + k] = slots
+        self._alive[r][n : n + k] = True
+        self._n[r] = n + k
+        self._live[r] += k
+
+    def evict(self, req, token_ids: np.ndarray) -> None:
+        r = self.row_of(req)
+        t = np.asarray(token_ids, dtype=np.int64)
+        if t.size and (t.min() < 0 or t.max() >= self._n[r] or not self._alive[r][t].all()):
+            raise InvariantViolation(f"worker mirror: evictions of {req!r} name dead or unknown tokens")
+        self._alive[r][t] = False
+        self._live[r] -= len(t)
+
+    def move(self, req, token_ids: np.ndarray, new_slots: np.ndarray) -> np.ndarray:
+        """Give live ``token_ids`` their ``new_slots``; return their old slots."""
+        r = self.row_of(req)
+        t = np.asarray(token_ids, dtype=np.int64)
+        if t.size and (t.min() < 0 or t.max() >= self._n[r] or not self._alive[r][t].all()):
+            raise InvariantViolation(f"worker mirror: moves of {req!r} name dead or unknown tokens")
+        old = self._slots[r][t].copy()
+        self._slots[r][t] = new_slots
+        return old
+
+
+class WorkerSide:
+    """See the module docstring.
+
+    Args:
+        max_reqs: the batch size bound (``max_num_seqs``).
+        max_tokens: tokens per step bound (``max_num_batched_tokens``).
+        max_moves: relocation moves per step bound (``reclaim.max_moves_per_step``).
+        force_sync: the host waits on every relocation copy (ablation).
+        checking: run the debug checks (slot mapping vs vLLM's, I1 around copies).
+    """
+
+    def __init__(self, *, max_reqs: int, max_tokens: int, max_moves: int, force_sync: bool = False,
+                 checking: bool = False):
+        self.max_reqs, self.max_tokens, self.max_moves = int(max_reqs), int(max_tokens), int(max_moves)
+        self.force_sync = bool(force_sync)
+        self.checking = bool(checking)
+        self.shadow = ShadowTable()
+        self.mirror: Optional[DeviceMirror] = None
+        self.buffers: Optional[SlotListBuffers] = None
+        self.copy_engine: Optional[CopyEngine] = None
+        self.kv_caches: list = []
+        self.layout: Optional[KVLayout] = None
+        self.device = torch.device("cpu")
+        self._meta: Optional[VTokenConnectorMetadata] = None
+        self._scores: Optional[torch.Tensor] = None
+        self._batch: list = []
+        self._batch_step = -1
+        self.stats = {"steps": 0, "moves": 0, "copies": 0, "event_waits": 0, "slot_lists_built": 0}
+
+    # ------------------------------------------------------------------ setup
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        seen, caches = set(), []
+        for name, t in kv_caches.items():
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgumentError(f"kv_caches[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
+            if t.data_ptr() in seen:  # KV sharing across layers: copy each tensor once
+                continue
+            seen.add(t.data_ptr())
+            caches.append(t)
+        if not caches:
+            raise InvalidArgumentError("kv_caches: expected at least one KV cache tensor, got none")
+        self.layout = KVLayout.from_tensor(caches[0], KV_LAYOUT_NAME)
+        for t in caches[1:]:
+            if KVLayout.from_tensor(t, KV_LAYOUT_NAME) != self.layout or t.dtype != caches[0].dtype:
+                raise InvalidArgumentError("kv_caches: expected every layer with the same shape, strides and dtype")
+        self.kv_caches = caches
+        self.device = caches[0].device
+        nnz_max = self.layout.num_blocks * self.layout.block_size  # every live token holds its own slot
+        self.mirror = DeviceMirror(self.shadow, self.device)
+        self.buffers = SlotListBuffers(max_reqs=self.max_reqs, nnz_max=nnz_max, max_tokens=self.max_tokens,
+                                       device=self.device)
+        self._scores = torch.zeros(nnz_max, dtype=torch.float32, device=self.device)
+        self.copy_engine = CopyEngine(caches, self.layout, max_moves=self.max_moves, force_sync=self.force_sync)
+
+    @property
+    def ready(self) -> bool:
+        return self.mirror is not None
+
+    # --------------------------------------------------------- before forward
+    def begin_step(self, meta: VTokenConnectorMetadata) -> None:
+        """Apply the step's deltas (dropped, evictions, appends) and fence the last copy (I3)."""
+        if not self.ready:
+            raise InvariantViolation("worker: metadata arrived before register_kv_caches")
+        sh, mirror = self.shadow, self.mirror
+        for req in meta.dropped:
+            if req in sh:
+                mirror.remove_request(req)
+                sh.remove(req)
+        for req, ids in meta.evictions.items():
+            sh.evict(req, ids)
+            mirror.record_evict(req, ids)
+        reqs, counts, slots = [], [], []
+        for req, s in meta.appends.items():
+            if req not in sh:
+                sh.add(req)
+                mirror.add_request(req)
+            reqs.append(req)
+            counts.append(len(s))
+            slots.append(np.asarray(s, dtype=np.int32))
+        if reqs:
+            mirror.record_append(reqs, counts, np.concatenate(slots))
+            for req, s in zip(reqs, slots):
+                sh.append(req, s)
+        if self.copy_engine.before_forward(step=meta.step):
+            self.stats["event_waits"] += 1
+        self._meta = meta
+        self.stats["steps"] += 1
+
+    def build_slot_lists(self, req_ids: list, query_lens: np.ndarray, seq_lens: Optional[np.ndarray] = None):
+        """Rebuild the batch's ``kv_indices`` / ``kv_indptr`` / ``slot_mapping`` (fixed addresses).
+
+        ``req_ids`` in batch order, ``query_lens`` the tokens each computes this
+        step. Returns the :class:`SlotListBuffers`.
+        """
+        if seq_lens is not None:
+            n = np.fromiter((self.shadow.num_tokens(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
+            if not np.array_equal(n, np.asarray(seq_lens[: len(req_ids)], dtype=np.int64)):
+                raise InvariantViolation(
+                    f"worker mirror: token counts {n.tolist()[:8]} differ from vLLM's seq_lens "
+                    f"{np.asarray(seq_lens[: len(req_ids)]).tolist()[:8]}"
+                )
+        self.mirror.build(self.buffers, req_ids, query_lens)
+        total = int(self.buffers.kv_indptr_host[len(req_ids)])
+        if self._meta is not None and self._meta.want_scores:
+            self._scores[:total].zero_()
+        self._batch = list(req_ids)
+        self._batch_step = self._meta.step if self._meta is not None else -1
+        self.stats["slot_lists_built"] += 1
+        return self.buffers
+
+    @property
+    def want_scores(self) -> bool:
+        return self._meta is not None and self._meta.want_scores
+
+    def add_key_scores(self, key_scores: torch.Tensor) -> None:
+        """Add one layer's ``token_attention`` key scores (float32 ``[nnz_max, num_kv_heads]``)."""
+        self._scores[: key_scores.shape[0]] += key_scores.sum(dim=1)
+
+    # ---------------------------------------------------------- after forward
+    def end_step(self) -> None:
+        """Launch the step's relocation copy (one ``compact_kv``) and update the mirror."""
+        meta = self._meta
+        if meta is None or not meta.moves:
+            return
+        before = self._capture(meta) if self.checking else None
+        src, dst = [], []
+        for req, (tids, new) in meta.moves.items():
+            src.append(self.shadow.move(req, tids, new))
+            dst.append(np.asarray(new, dtype=np.int32))
+            self.mirror.record_moves(req, tids, new)
+        src, dst = np.concatenate(src), np.concatenate(dst)
+        self.copy_engine.launch(src, dst, step=meta.step)
+        self.stats["moves"] += len(src)
+        self.stats["copies"] += 1
+        if before is not None:
+            self._check_i1(before)
+
+    def worker_meta(self) -> VTokenWorkerMetadata:
+        """The step's per-request scores (empty unless the policy needs them)."""
+        meta = self._meta
+        step = meta.step if meta is not None else -1
+        scores = {}
+        if meta is not None and meta.want_scores and self._batch_step == step and self._batch:
+            indptr = self.buffers.kv_indptr_host
+            total = int(indptr[len(self._batch)])
+            host = self._scores[:total].cpu().numpy()
+            for i, req in enumerate(self._batch):
+                scores[req] = host[indptr[i] : indptr[i + 1]].copy()
+        return VTokenWorkerMetadata(step=step, scores=scores)
+
+    def clear(self) -> None:
+        self._meta = None
+
+    # ---------------------------------------------------------------- checks
+    def _capture(self, meta) -> dict:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # debug only: the forward wrote the rows
+        out = {}
+        for req in meta.moves:
+            mask = self.shadow.live_mask(req)
+            ids = np.flatnonzero(mask)
+            slots = self.shadow.slots(req)[mask]
+            rows = [invariants.gather_token_rows(c, self.layout, slots).cpu() for c in self.kv_caches]
+            out[req] = (ids, rows)
+        return out
+
+    def _check_i1(self, before: dict) -> None:
+        for t in list(self.copy_engine._pending):
+            t.event.synchronize()
+        for req, (ids, rows) in before.items():
+            slots = self.shadow.slots(req)[ids]
+            after = [invariants.gather_token_rows(c, self.layout, slots).cpu() for c in self.kv_caches]
+            if invariants.fingerprint_rows(ids, rows) != invariants.fingerprint_rows(ids, after):
+                raise InvariantViolation(f"I1: live K/V bytes of request {req!r} changed across a relocation")

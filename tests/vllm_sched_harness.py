@@ -1,0 +1,144 @@
+"""A real vLLM 0.32 ``Scheduler`` with the vtoken connector and no model, for unit tests.
+
+The scheduler, ``KVCacheManager``, ``BlockPool`` and prefix cache are vLLM's
+own classes. The model is replaced by :class:`FakeWorker`: it runs vtoken's
+real :class:`~vtoken.integrations.vllm.worker.WorkerSide` on a CPU KV cache,
+writes a per-token fingerprint at every new slot (instead of K/V), produces
+deterministic "sampled" tokens and attention scores, and checks after every
+step that each live token's fingerprint is found at the slot the scheduler's
+table gives it (so relocations moved the right bytes).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+NUM_KV_HEADS, HEAD_DIM = 2, 8
+
+
+def make_scheduler(model_dir: str, *, block_size: int = 16, num_blocks: int = 64, max_num_seqs: int = 8,
+                   max_model_len: int = 1024, prefix_caching: bool = True, extra: dict | None = None):
+    """A vLLM ``Scheduler`` bound to a vtoken connector (scheduler role)."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    kvt = None
+    if extra is not None:
+        kvt = KVTransferConfig(kv_connector="VTokenConnector", kv_connector_module_path="vtoken.integrations.vllm.connector",
+                               kv_role="kv_both", kv_connector_extra_config=extra)
+    args = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="float32", block_size=block_size,
+                      max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
+                      enable_prefix_caching=prefix_caching, enforce_eager=True, kv_transfer_config=kvt)
+    cfg = args.create_engine_config()
+    cfg.cache_config.num_gpu_blocks = num_blocks
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
+    kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    return Scheduler(vllm_config=cfg, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(cfg),
+                     block_size=block_size, log_stats=False)
+
+
+def make_request(req_id: str, prompt: list[int], max_tokens: int, block_size: int):
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    return Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp, pooling_params=None,
+                   block_hasher=get_request_block_hasher(block_size, sha256))
+
+
+def fingerprint(req_id: str, token: int) -> float:
+    """A float32-exact value naming (request, token id)."""
+    return float((hash(req_id) % 997) * 4096 + token + 1)
+
+
+class FakeWorker:
+    """vtoken's WorkerSide over a CPU KV cache, with fingerprints in place of K/V."""
+
+    def __init__(self, sched, *, checking: bool = True, seed: int = 0):
+        from vtoken.integrations.vllm.worker import WorkerSide
+
+        self.sched = sched
+        side = sched.connector.scheduler_side
+        nb, bs = side.pool.num_gpu_blocks, side.S
+        self.cache = torch.zeros(nb, NUM_KV_HEADS, bs, 2 * HEAD_DIM, dtype=torch.float32)
+        rc = side.reclaim_config
+        self.worker = WorkerSide(max_reqs=sched.scheduler_config.max_num_seqs,
+                                 max_tokens=sched.scheduler_config.max_num_batched_tokens,
+                                 max_moves=rc.max_moves_per_step, checking=checking)
+        self.worker.register_kv_caches({"model.layers.0.self_attn.attn": self.cache})
+        self.rng = np.random.default_rng(seed)
+        self.bs = bs
+        self.steps = 0
+
+    def _write(self, req_id: str, first_token: int, slots: np.ndarray) -> None:
+        s = torch.from_numpy(slots.astype(np.int64))
+        vals = torch.tensor([fingerprint(req_id, first_token + i) for i in range(len(slots))], dtype=torch.float32)
+        self.cache[s // self.bs, :, s % self.bs, :] = vals[:, None, None]
+
+    def step(self):
+        """One engine step: schedule, "forward", copy, sample, update. Returns the SchedulerOutput."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        so = self.sched.schedule()
+        meta = so.kv_connector_metadata
+        w = self.worker
+        w.begin_step(meta)
+        reqs = list(so.num_scheduled_tokens)
+        if reqs:
+            qlens = np.array([so.num_scheduled_tokens[r] for r in reqs])
+            w.build_slot_lists(reqs, qlens)
+            for r in reqs:  # the "forward" writes the new tokens' fingerprints
+                n = w.shadow.num_tokens(r)
+                self._write(r, n - len(meta.appends[r]), np.asarray(meta.appends[r]))
+            if w.want_scores:
+                total = int(w.buffers.kv_indptr_host[len(reqs)])
+                ks = torch.from_numpy(self.rng.random((w.buffers.nnz_max, NUM_KV_HEADS), dtype=np.float32))
+                ks[total:] = 0
+                w.add_key_scores(ks)
+        w.end_step()
+        wmeta = w.worker_meta()
+        w.clear()
+        sampled, ids = [], []
+        for r in reqs:
+            req = self.sched.requests[r]
+            done_prefill = req.num_computed_tokens + so.num_scheduled_tokens[r] >= req.num_tokens
+            sampled.append([int(self.rng.integers(3, 500))] if done_prefill else [])
+            ids.append(r)
+        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=sampled, kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=wmeta))
+        self.sched.update_from_output(so, mro)
+        self.steps += 1
+        self.check_bytes()
+        return so
+
+    def check_bytes(self) -> None:
+        """Every live token of every tracked request holds its fingerprint at its table slot."""
+        side = self.sched.connector.scheduler_side
+        t = side.table
+        for r in t.requests():
+            if r not in self.worker.shadow:
+                continue
+            ids = t.live_ids(r)
+            # Tokens appended this step are written by the next forward: skip them.
+            n_done = self.worker.shadow.num_tokens(r)
+            ids = ids[ids < n_done]
+            slots = t.slots(r)[ids].astype(np.int64)
+            got = self.cache[slots // self.bs, 0, slots % self.bs, 0].numpy()
+            want = np.array([fingerprint(r, int(i)) for i in ids], dtype=np.float32)
+            if not np.array_equal(got, want):
+                bad = np.flatnonzero(got != want)[:5]
+                raise AssertionError(f"request {r}: tokens {ids[bad].tolist()} not at their slots")
+
+    def run(self, max_steps: int = 10_000) -> int:
+        n = 0
+        while self.sched.has_unfinished_requests() and n < max_steps:
+            self.step()
+            n += 1
+        return n
