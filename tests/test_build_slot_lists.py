@@ -122,7 +122,7 @@ def as_lists(bufs):
     return tuple(b.cpu().tolist() for b in bufs)
 
 
-def run_backend(backend, op, slots, alive, offsets, counts, bufs, num_reqs, monkeypatch=None):
+def run_backend(backend, op, slots, alive, offsets, counts, bufs, num_reqs):
     if backend == "torch":
         getattr(ref, op)(slots, alive, offsets, counts, *bufs, num_reqs, content_checks=False)
     elif backend == "triton":
@@ -436,8 +436,7 @@ def test_opcheck(op):
 
 def _aot_kernels():
     """(name, kernel, signature, constexprs) for every kernel, as the launchers call them."""
-    i32, i64 = "i32", "i64"
-    ints = lambda *names: {n: i32 for n in names}  # noqa: E731
+    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     blocks = {"BLOCK": tk.BLOCK, "RBLOCK": tk.RBLOCK, "PAD_BLOCK": tk.PAD_BLOCK}
     out = []
     for off in ("*i64", "*i32"):
@@ -460,9 +459,6 @@ def _aot_kernels():
                      "ws_counts_ptr": "*i32", "ws_indptr_ptr": "*i32", "ws_stage_ptr": "*i32",
                      "kv_indices_ptr": "*i32", "kv_indptr_ptr": "*i32", "slot_mapping_ptr": "*i32",
                      **ints("num_tokens", "num_reqs", "max_reqs", "nnz_max", "max_tokens")}, blocks))
-    # A mirror past 2**31 elements is rejected, but num_tokens may be i64-typed by a caller.
-    out.append(("build_i64", tk._build_slot_lists_kernel,
-                {**out[1][2], "num_tokens": i64}, blocks))
     return out
 
 
