@@ -99,7 +99,9 @@ def _block_live_counts_kernel(
     a = tl.load(alive_ptr + offs, mask=m, other=0)
     valid = (a != 0) & (s >= 0) & (s.to(tl.int64) < num_blocks * block_size)
     b = tl.where(valid, s // block_size, 0)
-    tl.atomic_add(counts_ptr + b, tl.full([BLOCK], 1, tl.int32), mask=valid)
+    # NOTE: relaxed: nothing in this launch reads the counters; the next
+    # launch (or the caller) sees them after the kernel boundary.
+    tl.atomic_add(counts_ptr + b, tl.full([BLOCK], 1, tl.int32), mask=valid, sem="relaxed")
     if HAS_ALLOC:
         in_alloc = valid & (tl.load(allocated_ptr + b, mask=valid, other=0) != 0)
         nb = tl.load(allocated_ptr + offs, mask=offs < num_blocks, other=0) != 0
@@ -107,5 +109,5 @@ def _block_live_counts_kernel(
         in_alloc = valid
         nb = offs < num_blocks
     live = tl.sum(in_alloc.to(tl.int64), axis=0)
-    tl.atomic_add(acc_ptr, live)
-    tl.atomic_add(acc_ptr + 1, tl.sum(nb.to(tl.int64), axis=0))
+    tl.atomic_add(acc_ptr, live, sem="relaxed")
+    tl.atomic_add(acc_ptr + 1, tl.sum(nb.to(tl.int64), axis=0), sem="relaxed")
