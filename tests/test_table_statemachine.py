@@ -162,7 +162,10 @@ class TableMachine(RuleBasedStateMachine):
     def append(self, data):
         m = self.model
         reqs = data.draw(st.lists(st.sampled_from(sorted(m.reqs)), min_size=1, max_size=4, unique=True), label="reqs")
-        counts = data.draw(st.lists(st.integers(0, 3 * self.S), min_size=len(reqs), max_size=len(reqs)), label="n")
+        if data.draw(st.booleans(), label="decode_step"):  # one token per request: the decode fast path
+            counts = [1] * len(reqs)
+        else:
+            counts = data.draw(st.lists(st.integers(0, 3 * self.S), min_size=len(reqs), max_size=len(reqs)), label="n")
         S = self.S
         need = sum(math.ceil((len(m.reqs[r]["alive"]) + n) / S) - math.ceil(len(m.reqs[r]["alive"]) / S)
                    for r, n in zip(reqs, counts))
@@ -203,9 +206,16 @@ class TableMachine(RuleBasedStateMachine):
         for r in chosen:
             live = [t for t, a in enumerate(m.reqs[r]["alive"]) if a]
             ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=min(len(live), 2 * self.S), unique=True), label="ids")
+            if data.draw(st.booleans(), label="ascending"):  # the grouped fast path of evict
+                ids.sort()
             per.append(ids)
-        if len(chosen) == 1 and data.draw(st.booleans(), label="single"):
+        form = data.draw(st.sampled_from(["single", "batch", "batch_lists", "flat"]), label="form")
+        if form == "single" and len(chosen) == 1:
             self.table.evict(chosen[0], np.array(per[0], dtype=np.int32))
+        elif form == "batch_lists":
+            self.table.evict_batch(chosen, per)
+        elif form == "flat":
+            self.table.evict_flat(chosen, np.array([t for p in per for t in p], dtype=np.int64), [len(p) for p in per])
         else:
             self.table.evict_batch(chosen, [np.array(p, dtype=np.int64) for p in per])
         for r, ids in zip(chosen, per):
