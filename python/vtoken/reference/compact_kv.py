@@ -121,15 +121,19 @@ def check_compact_kv_args(kv_caches, layout, src_slots, dst_slots, *, validate=N
     t0 = kv_caches[0]
     if t0.dtype not in SUPPORTED_DTYPES:
         raise InvalidTypeError(f"kv_caches[0]: expected dtype in {list(SUPPORTED_DTYPES)}, got {t0.dtype}")
-    shape, strides = tuple(t0.shape), t0.stride()
+    shape, strides, dtype = t0.shape, t0.stride(), t0.dtype
+    base, esize = t0.data_ptr(), t0.element_size()
+    # NOTE: runs on every call (the reclamation hot path): plain attribute
+    # comparisons per layer, the detailed checks only to word an error.
     for i, t in enumerate(kv_caches[1:], start=1):
-        check_tensor(f"kv_caches[{i}]", t, dtype=t0.dtype, device=device)
-        if tuple(t.shape) != shape or t.stride() != strides:
+        if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.device == device):
+            check_tensor(f"kv_caches[{i}]", t, dtype=dtype, device=device)
+        if t.shape != shape or t.stride() != strides:
             raise InvalidTypeError(
-                f"kv_caches[{i}]: expected shape {shape} strides {strides} like layer 0, "
+                f"kv_caches[{i}]: expected shape {tuple(shape)} strides {strides} like layer 0, "
                 f"got shape {tuple(t.shape)} strides {t.stride()}"
             )
-        if (t.data_ptr() - t0.data_ptr()) % t0.element_size():
+        if (t.data_ptr() - base) % esize:
             raise InvalidArgumentError(
                 f"kv_caches[{i}]: expected an address a whole number of elements from layer 0's"
             )
