@@ -33,7 +33,7 @@ import numpy as np
 
 from vtoken.errors import InvalidArgumentError
 
-_EMPTY_I32 = np.zeros(0, dtype=np.int32)
+_NEG = np.int64(-(1 << 62))
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def select_sources(
         ok &= ndst <= max_dst
     if not ok.any():
         return None
-    gain = np.where(ok, gain, np.iinfo(np.int64).min)
+    gain = np.where(ok, gain, _NEG)
     best = int(np.argmax(gain))  # first index of the max: the fewest moves for that gain
     if gain[best] < 1:
         return None

@@ -82,7 +82,7 @@ class ReclaimConfig:
     headroom_blocks: Count = 0.02
     check_interval: int = 8
     max_src_per_plan: int = 256
-    max_moves_per_step: int = 16384
+    max_moves_per_step: int = 8192
     min_gain: int = 1
     force_sync: bool = False
     check_invariants: Optional[bool] = None
@@ -201,6 +201,7 @@ class ReclamationManager:
         self._busy: dict = {}  # request -> its one in-flight plan (I4)
         self._rec: Optional[StepRecord] = None
         self._i1_before: dict = {}
+        self._queue = np.zeros(0, dtype=np.int64)  # candidate rows, best gain first (see _scan)
 
     # ------------------------------------------------------------ properties
     @property
@@ -269,39 +270,52 @@ class ReclamationManager:
         rec.planner_us += (time.perf_counter() - t0) * 1e6
         return plans
 
-    def _plan(self) -> list[Plan]:
-        cfg, led, table, S = self.config, self.ledger, self.table, self.S
-        if not (self._pending or self.step % cfg.check_interval == 0):
-            return []
-        if not (led.waste_ratio > cfg.theta_F and led.num_free < self.low_watermark):
-            self._pending = False
-            return []
-        # Per-request upper bound of the gain, over every candidate block (vectorized).
+    def _scan(self) -> int:
+        """Order the requests by their gain bound (one vectorized pass over the pool); return the total.
+
+        NOTE: O(pool blocks), so it runs only on a due check (every
+        ``check_interval`` steps) or when the queue of candidate requests has
+        drained; between scans, plans are taken from the queue in order. A
+        stale entry costs one per-request ``select_sources`` that finds nothing.
+        """
+        led, table, S = self.ledger, self.table, self.S
         cand = (led.state == OWNED) & (led.live < S)
         cand[table.tail_block_ids()] = False
         idx = np.flatnonzero(cand)
         if idx.size == 0:
-            self._pending = False
-            return []
+            self._queue = np.zeros(0, dtype=np.int64)
+            return 0
         owners = led.owner[idx].astype(np.int64)
         gain, _ = per_request_gain(owners, led.live[idx], int(owners.max()) + 1, block_size=S)
-        for req in self._busy:  # at most one plan per request in flight (I4)
-            r = table.row_of(req)
-            if r < len(gain):
-                gain[r] = 0
-        if int(gain[gain > 0].sum()) < cfg.min_gain:
+        rows = np.flatnonzero(gain > 0)
+        self._queue = rows[np.argsort(-gain[rows], kind="stable")]
+        return int(gain[rows].sum())
+
+    def _plan(self) -> list[Plan]:
+        cfg, led, table, S = self.config, self.ledger, self.table, self.S
+        due = self.step % cfg.check_interval == 0
+        if not (self._pending or due):
+            return []
+        if not (led.waste_ratio > cfg.theta_F and led.num_free < self.low_watermark):
             self._pending = False
             return []
+        if due or len(self._queue) == 0:
+            if self._scan() < cfg.min_gain:
+                self._pending = False
+                return []
         self._record().triggered = True
-        rows = np.flatnonzero(gain > 0)
-        rows = rows[np.argsort(-gain[rows], kind="stable")]
         dst_budget = min(led.num_free, self.headroom)
         move_budget = cfg.max_moves_per_step
         plans: list[Plan] = []
-        for row in rows.tolist():
+        busy_rows = {p.meta["row"] for p in self._busy.values()}
+        used = 0
+        for row in self._queue.tolist():
             if dst_budget < 1 or move_budget < 2:
                 break
+            used += 1
             req = table.request_of(row)
+            if req is None or row in busy_rows:  # finished since the scan / in flight (I4)
+                continue
             blocks, live = table.relocation_candidates(req)
             choice = select_sources(blocks, live, block_size=S, max_src=cfg.max_src_per_plan,
                                     max_moves=move_budget, max_dst=dst_budget)
@@ -309,6 +323,7 @@ class ReclamationManager:
                 continue
             dst = led.allocate(choice.num_dst, row, -1, state=DST_INFLIGHT, use_reserve=True)
             if dst is None:  # the allocator disagrees with num_free (foreign allocations)
+                used -= 1
                 break
             plan = make_plan(req, table.slots(req), table.live_mask(req), choice, dst,
                              block_size=S, num_blocks=led.num_blocks)
@@ -320,8 +335,9 @@ class ReclamationManager:
             plans.append(plan)
             dst_budget -= len(plan.dst_blocks)
             move_budget -= plan.num_moves
+        self._queue = self._queue[used:]
         # Nothing profitable within the budgets: not pending (no backpressure on false hope).
-        self._pending = bool(plans)
+        self._pending = bool(plans) or len(self._queue) > 0
         self._planned = list(plans)
         if self.checking and plans:
             invariants.check_plans(plans, table, max_dst=min(self.headroom, led.num_free + sum(
