@@ -12,8 +12,6 @@ needs no fp8 support from the target (sm_80 has none).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 import triton
 import triton.language as tl
@@ -24,8 +22,10 @@ from vtoken.reference.compact_kv import check_compact_kv_args, int_view, token_r
 # Elements per program tile; 4096 keeps a tile at <= 16 KiB (fp32) so a program
 # is one (move, layer) pair with a handful of vector loads per thread.
 _MAX_TILE = 4096
-_OFFSETS_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-_OFFSETS_CACHE_SIZE = 16
+# NOTE: entries are never evicted. A CUDA graph that captured a launch reads
+# its offsets tensor at every replay, so freeing it would corrupt the replay;
+# an entry is L * 8 bytes per distinct set of cache addresses.
+_OFFSETS_CACHE: dict = {}
 
 
 def compact_kv(
@@ -45,8 +45,9 @@ def compact_kv(
     validate : bool | None
         Check the slot contract (syncs); ``None`` follows ``VTOKEN_DEBUG_INVARIANTS``.
 
-    NOTE: the layer-offset tensor is cached per set of cache addresses; call
-    once before capturing a CUDA graph so the capture does not allocate it.
+    NOTE: the layer-offset tensor is built once per set of cache addresses
+    (an H2D copy) and kept: call once before capturing a CUDA graph so the
+    capture does not allocate it.
     """
     check_compact_kv_args(kv_caches, layout, src_slots, dst_slots, validate=validate)
     num_moves = src_slots.numel()
@@ -92,18 +93,14 @@ def _launch_args(kv_caches, layout: KVLayout, src_slots: torch.Tensor, dst_slots
 
 
 def _layer_offsets(views) -> torch.Tensor:
-    """int64 [L] element offsets of each layer from layer 0 (cached per address set)."""
+    """int64 [L] element offsets of each layer from layer 0 (cached per set of addresses)."""
     esize = views[0].element_size()
     base = views[0].data_ptr()
     key = (views[0].device, esize, tuple(v.data_ptr() for v in views))
-    cached = _OFFSETS_CACHE.get(key)
-    if cached is not None:
-        _OFFSETS_CACHE.move_to_end(key)
-        return cached
-    offsets = torch.tensor([(v.data_ptr() - base) // esize for v in views], dtype=torch.int64, device=views[0].device)
-    _OFFSETS_CACHE[key] = offsets
-    if len(_OFFSETS_CACHE) > _OFFSETS_CACHE_SIZE:
-        _OFFSETS_CACHE.popitem(last=False)
+    offsets = _OFFSETS_CACHE.get(key)
+    if offsets is None:
+        offsets = torch.tensor([(v.data_ptr() - base) // esize for v in views], dtype=torch.int64, device=views[0].device)
+        _OFFSETS_CACHE[key] = offsets
     return offsets
 
 
