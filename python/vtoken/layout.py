@@ -14,10 +14,14 @@ for a K-only / V-only tensor when K and V are separate tensors.
 Supported named layouts (``KVLayout.from_tensor(t, name)``):
 
 =================  ======================================================
-``vllm_flash``     ``[2, num_blocks, block_size, H, D]`` (vLLM 0.32
-                   FlashAttention backend, ``get_kv_cache_shape``)
-``vllm_fused``     ``[num_blocks, H, block_size, 2*D]`` (vLLM 0.33: K in the
-                   first D of the last dim, V in the second)
+``vllm_flash``     ``[2, num_blocks, block_size, H, D]`` (the classic vLLM
+                   FlashAttention split layout, K and V stacked first)
+``vllm_fused``     ``[num_blocks, H, block_size, 2*D]``: K in the first D of
+                   the last dim, V in the second. This is what the installed
+                   vLLM 0.32 FlashAttention backend allocates (see
+                   ``vllm/v1/attention/backends/flash_attn.py``: "[num_blocks,
+                   num_kv_heads, block_size, 2 * head_size]", split with
+                   ``kv_cache.transpose(1, 2).split(head_size, -1)``).
 ``nhd``            ``[num_blocks, 2, block_size, H, D]`` (FlashInfer NHD)
 ``hnd``            ``[num_blocks, 2, H, block_size, D]`` (FlashInfer HND)
 ``mla``            ``[num_blocks, block_size, D]`` (one latent row per token)
