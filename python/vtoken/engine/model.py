@@ -198,6 +198,9 @@ class StepInputs:
         logits_indices: int64 ``[R]``: the row of each request's last new token;
             ``None`` derives it on the device (``q_indptr[1:] - 1``, or
             ``arange(R)`` in decode).
+        window_indices: int64 ``[W]``: rows whose queries (after RoPE) every
+            layer returns in ``ModelOutput.window_queries`` (SnapKV's
+            observation window); ``None`` for none.
     """
 
     input_ids: torch.Tensor
@@ -207,6 +210,7 @@ class StepInputs:
     kv_indptr: torch.Tensor
     q_indptr: Optional[torch.Tensor] = None
     logits_indices: Optional[torch.Tensor] = None
+    window_indices: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -232,12 +236,15 @@ class ModelOutput:
             ``num_layers * num_heads * n_new_r``).
         layer_key_scores: float32 ``[num_layers, nnz_max, num_kv_heads]`` when
             asked for (``key_scores="per_layer"``); ``key_scores`` is its sum.
+        window_queries: ``[num_layers, W, num_heads, head_dim]`` (model dtype):
+            the queries of ``StepInputs.window_indices`` after RoPE.
     """
 
     logits: torch.Tensor
     all_logits: Optional[torch.Tensor] = None
     key_scores: Optional[torch.Tensor] = None
     layer_key_scores: Optional[torch.Tensor] = None
+    window_queries: Optional[torch.Tensor] = None
 
 
 # ----------------------------------------------------------------------- layers
@@ -293,13 +300,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, step: StepInputs, kv_cache, layout, want_scores: bool):
+    def forward(self, x, cos, sin, step: StepInputs, kv_cache, layout, want_scores: bool, window: list):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        if step.window_indices is not None:
+            window.append(q[step.window_indices])
         write_kv(kv_cache, layout, step.slot_mapping, k, v)
         res = ops.token_attention(
             q, kv_cache, layout, step.kv_indices, step.kv_indptr, step.q_indptr,
@@ -328,8 +337,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, step, kv_cache, layout, want_scores):
-        h, scores = self.self_attn(self.input_layernorm(x), cos, sin, step, kv_cache, layout, want_scores)
+    def forward(self, x, cos, sin, step, kv_cache, layout, want_scores, window):
+        h, scores = self.self_attn(self.input_layernorm(x), cos, sin, step, kv_cache, layout, want_scores, window)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), scores
 
@@ -460,6 +469,8 @@ class LlamaModel(nn.Module):
                 f"input_ids: expected one token per request in decode (q_indptr=None), got {t} tokens "
                 f"for {step.num_reqs} requests"
             )
+        if step.window_indices is not None:
+            check_tensor("window_indices", step.window_indices, dtype=torch.int64, ndim=1, device=dev)
         if step.logits_indices is not None:
             check_tensor("logits_indices", step.logits_indices, dtype=torch.int64, shape=(step.num_reqs,), device=dev)
         if not isinstance(layout, KVLayout) or layout.name not in KV_LAYOUTS:
@@ -501,9 +512,9 @@ class LlamaModel(nn.Module):
         want = key_scores != "none"
         x = self.model.embed_tokens(step.input_ids)
         cos, sin = self.rope(step.positions, x.dtype)
-        per_layer = []
+        per_layer, window = [], []
         for layer, cache in zip(self.model.layers, kv_caches):
-            x, scores = layer(x, cos, sin, step, cache, layout, want)
+            x, scores = layer(x, cos, sin, step, cache, layout, want, window)
             if want:
                 per_layer.append(scores)
         x = self.model.norm(x)
@@ -516,6 +527,8 @@ class LlamaModel(nn.Module):
         out = ModelOutput(logits=self.lm_head(x[idx]).float())
         if all_logits:
             out.all_logits = self.lm_head(x).float()
+        if window:
+            out.window_queries = torch.stack(window)
         if want:
             stacked = torch.stack(per_layer)
             out.key_scores = stacked.sum(0)

@@ -51,7 +51,7 @@ import torch
 
 from vtoken.buffers import DeviceMirror, SlotListBuffers
 from vtoken.copy_engine import StagingRing
-from vtoken.engine.kv_cache import KV_LAYOUTS
+from vtoken.engine.kv_cache import KV_LAYOUTS, canonical_view
 from vtoken.engine.model import LlamaModel, ModelOutput, StepInputs
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array
 from vtoken.ledger import BlockLedger
@@ -149,6 +149,10 @@ class StepResult:
         key_scores / layer_key_scores: see :class:`~vtoken.engine.model.ModelOutput`
             (rows ``kv_indptr[-1]:`` are padding).
         slot_mapping: int32 host ``[T]``: where the new tokens' K/V went.
+        window_scores: host float32 ``[n_live_r, num_kv_heads]`` per request, for
+            a prefill run with ``window > 0``: the attention the request's last
+            ``window`` new queries give each live key, summed over layers,
+            queries and each GQA group (SnapKV's votes; row order = ``token_ids``).
         graph: True when the step replayed a CUDA graph.
     """
 
@@ -159,6 +163,7 @@ class StepResult:
     key_scores: Optional[torch.Tensor] = None
     layer_key_scores: Optional[torch.Tensor] = None
     all_logits: Optional[torch.Tensor] = None
+    window_scores: Optional[list] = None
     graph: bool = False
 
     def next_tokens(self) -> np.ndarray:
@@ -253,20 +258,24 @@ class ModelRunner:
         return self.table.finish(req)
 
     # ------------------------------------------------------------------ steps
-    def prefill(self, reqs: Sequence[Hashable], token_ids: Sequence, *, all_logits: bool = False
-                ) -> Optional[StepResult]:
+    def prefill(self, reqs: Sequence[Hashable], token_ids: Sequence, *, all_logits: bool = False,
+                window: int = 0) -> Optional[StepResult]:
         """Append ``token_ids[i]`` (>= 1 tokens) to ``reqs[i]`` and run them (varlen, causal).
 
         Works for a first prompt, a prompt chunk, or a recompute after
         preemption: the tokens go after what the request already holds, at the
-        next logical positions. Returns ``None``, with nothing changed, when the
-        block budget cannot hold the new tokens.
+        next logical positions. ``window > 0`` also returns each request's
+        observation-window votes (``StepResult.window_scores``). Returns
+        ``None``, with nothing changed, when the block budget cannot hold the
+        new tokens.
         """
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+            raise InvalidArgumentError(f"window: expected an int >= 0, got {window!r}")
         reqs = list(reqs)
         if len(token_ids) != len(reqs):
             raise InvalidArgumentError(f"token_ids: expected {len(reqs)} arrays (one per request), got {len(token_ids)}")
         toks = [as_index_array(f"token_ids[{i}]", t, allow_empty=False) for i, t in enumerate(token_ids)]
-        return self._step(reqs, toks, decode=False, all_logits=all_logits)
+        return self._step(reqs, toks, decode=False, all_logits=all_logits, window=int(window))
 
     def decode(self, reqs: Sequence[Hashable], token_ids) -> Optional[StepResult]:
         """Append one token per request and run a decode step (CUDA graph on GPU).
@@ -280,7 +289,8 @@ class ModelRunner:
             raise InvalidArgumentError(f"token_ids: expected {len(reqs)} tokens (one per request), got {len(ids)}")
         return self._step(reqs, [ids[i : i + 1] for i in range(len(ids))], decode=True, all_logits=False)
 
-    def _step(self, reqs: list, toks: list, *, decode: bool, all_logits: bool) -> Optional[StepResult]:
+    def _step(self, reqs: list, toks: list, *, decode: bool, all_logits: bool, window: int = 0
+              ) -> Optional[StepResult]:
         cfg, table = self.config, self.table
         nreq = len(reqs)
         if nreq == 0:
@@ -327,16 +337,43 @@ class ModelRunner:
             out = self._replay(padded)
             self.num_graph_replays += 1
         else:
-            out = self.model(self._step_inputs(nreq, total, decode), self.kv_caches, self.layout,
-                             all_logits=all_logits, key_scores=cfg.key_scores)
+            step = self._step_inputs(nreq, total, decode)
+            if window:
+                n_win = np.minimum(counts, window)
+                rows = np.repeat(q_indptr[1:] - n_win, n_win) + np.arange(int(n_win.sum())) - np.repeat(
+                    np.cumsum(n_win) - n_win, n_win)
+                step.window_indices = torch.from_numpy(rows).to(self.device)
+            out = self.model(step, self.kv_caches, self.layout, all_logits=all_logits, key_scores=cfg.key_scores)
         result = StepResult(
             logits=out.logits[:nreq], kv_indptr=kv_indptr, slot_mapping=slot_mapping, token_ids=token_ids,
             key_scores=out.key_scores, layer_key_scores=out.layer_key_scores, all_logits=out.all_logits,
             graph=graph,
         )
+        if window:
+            result.window_scores = self._window_scores(reqs, out.window_queries, n_win, positions[rows])
         for h in self.hooks:
             h.post_forward(self, result)
         return result
+
+    def _window_scores(self, reqs, queries: torch.Tensor, n_win: np.ndarray, q_pos: np.ndarray) -> list:
+        """Per request: window queries vs its live keys, every layer, summed (host float32)."""
+        from vtoken.policies.scores import window_key_scores
+
+        S = self.config.block_size
+        views = [canonical_view(c, self.layout) for c in self.kv_caches]
+        out, lo = [], 0
+        for i, req in enumerate(reqs):
+            hi = lo + int(n_win[i])
+            slots = torch.from_numpy(self.table.live_slots(req).astype(np.int64)).to(self.device)
+            key_ids = self.table.live_ids(req)
+            total = None
+            for layer, view in enumerate(views):
+                keys = view[slots // S, slots % S, 0]  # [n_live, Hkv, D]
+                s = window_key_scores(queries[layer, lo:hi], keys, key_ids=key_ids, query_ids=q_pos[lo:hi])
+                total = s if total is None else total + s
+            out.append(total.cpu().numpy())
+            lo = hi
+        return out
 
     # -------------------------------------------------------------- buffers
     def _stage_tokens(self, ids, positions, q_indptr, *, padded: int) -> None:

@@ -1,0 +1,442 @@
+"""The embedded engine's scheduler: continuous batching over a block budget, in three modes.
+
+One :class:`Engine` step is ONE forward (ARCHITECTURE §5, §6):
+
+1. **Admission.** ``ReclamationManager.admission_budget()`` gives the free
+   blocks minus the headroom reserve and the backpressure flag. Under
+   backpressure (reclamation pending and free blocks at or below the low
+   watermark) nothing new is admitted. Otherwise waiting requests are
+   admitted FIFO while their prompt's blocks fit the budget, the running set
+   stays within ``max_num_reqs`` and the prefill stays within
+   ``max_num_tokens``. If any request was admitted, the step is their prefill
+   (prefill first, as vLLM's default scheduler); else it decodes every
+   running request.
+2. **Forward.** ``before_forward()`` (the compute stream waits on the last
+   relocation), then the runner's prefill or decode (CUDA graph on GPU). When a
+   decode cannot get a block for every request, the most recently admitted
+   request is preempted BY RECOMPUTE: its blocks are released and it goes
+   back to the front of the queue with every token it has (prompt + output) as
+   its new prompt; the decode retries without it.
+3. **Sampling and eviction.** Greedy tokens. In ``naive`` and ``vtoken`` modes
+   the policy then sees each unfinished request (its live ids, exact key
+   scores or SnapKV's window votes) and its victims are evicted.
+4. **Reclamation** (``vtoken`` only does anything): plan, one copy launch,
+   commit; finished requests are released first.
+
+Victim traces. Decisions are keyed by ``(request_id, seq_len)``, the
+request's own step, so a trace recorded in one mode replays in another even
+if admission interleaves requests differently. Use ``record_trace=True``
+(``Engine.trace``) and replay with ``policy=ReplayPolicy(trace)``: the
+victims, and therefore the greedy outputs, are then identical across modes.
+
+Example (CPU, tiny random model, vtoken mode with StreamingLLM)::
+
+    >>> import numpy as np
+    >>> from vtoken.engine.model import LlamaModel, ModelConfig
+    >>> from vtoken.engine.scheduler import Engine, EngineConfig
+    >>> eng = Engine(LlamaModel(ModelConfig(vocab_size=128)),
+    ...              EngineConfig(mode="vtoken", num_blocks=64, block_size=4, policy="streamingllm",
+    ...                           policy_config={"budget": 8, "window": 4, "sink": 2}))
+    >>> out = eng.generate([np.arange(10), np.arange(7)], max_new_tokens=6)
+    >>> [len(r.output) for r in out]
+    [6, 6]
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Optional, Sequence, Union
+
+import numpy as np
+
+from vtoken.engine.model import LlamaModel
+from vtoken.engine.runner import ModelRunner, RunnerConfig, StepResult
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array
+from vtoken.policies import EvictionPolicy, ReplayPolicy, TraceRecorder, accumulate_batch
+from vtoken.policies import get as get_policy
+from vtoken.reclaim import MODES, ReclaimConfig, ReclamationManager
+
+PolicyLike = Union[str, EvictionPolicy, TraceRecorder, ReplayPolicy, None]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings.
+
+    Attributes:
+        mode: ``native`` (no eviction), ``naive`` (evict; a block is freed
+            once fully dead) or ``vtoken`` (evict + reclaim).
+        num_blocks / block_size / layout: the KV cache (block 0 is the null
+            block; the budget is ``num_blocks - 1`` blocks).
+        max_num_reqs: most requests running at once (and the largest decode graph).
+        max_num_tokens: most prefill tokens per step (a prompt must fit).
+        policy / policy_config: a registered policy name and its config
+            (``vtoken.policies.get``); ignored in ``native`` mode. A policy
+            object can be passed to :class:`Engine` instead.
+        reclaim: a :class:`ReclaimConfig` or its fields as a dict; its ``mode``
+            is overridden by ``mode``.
+        cuda_graph: decode CUDA graphs (``None``: on iff the model is on CUDA).
+        eos_token_id: stop a request at this token (``None``: only at
+            ``max_new_tokens``, what the paired experiments use).
+    """
+
+    mode: str = "vtoken"
+    num_blocks: int = 1024
+    block_size: int = 16
+    layout: str = "nhd"
+    max_num_reqs: int = 32
+    max_num_tokens: int = 4096
+    policy: Optional[str] = None
+    policy_config: dict = field(default_factory=dict)
+    reclaim: Any = None
+    cuda_graph: Optional[bool] = None
+    eos_token_id: Optional[int] = None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise InvalidArgumentError(f"mode: expected one of {MODES}, got {self.mode!r}")
+        if self.reclaim is None:
+            self.reclaim = ReclaimConfig(mode=self.mode)
+        elif isinstance(self.reclaim, dict):
+            self.reclaim = ReclaimConfig(**{**self.reclaim, "mode": self.mode})
+        elif isinstance(self.reclaim, ReclaimConfig):
+            self.reclaim = dataclasses.replace(self.reclaim, mode=self.mode)
+        else:
+            raise InvalidTypeError(f"reclaim: expected a ReclaimConfig or dict, got {type(self.reclaim).__name__}")
+        if not isinstance(self.policy_config, dict):
+            raise InvalidTypeError(f"policy_config: expected a dict, got {type(self.policy_config).__name__}")
+
+
+@dataclass
+class Request:
+    """One generation request and its bookkeeping (times are ``time.perf_counter()`` seconds)."""
+
+    request_id: Hashable
+    prompt: np.ndarray
+    max_new_tokens: int
+    output: list = field(default_factory=list)
+    arrival_time: float = 0.0
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    num_preemptions: int = 0
+    retained_blocks: Optional[int] = None  # blocks held when the request finished
+    live_tokens: Optional[int] = None  # live tokens when it finished
+    peak_blocks: int = 0  # most blocks it held at once
+    accumulator: Any = None
+    _pending: Optional[np.ndarray] = None  # tokens to prefill (prompt, or everything on recompute)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_time is not None
+
+    @property
+    def latency(self) -> Optional[float]:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class StepStats:
+    """What one engine step did (host wall-clock, blocks after the step)."""
+
+    step: int
+    kind: str  # "prefill" or "decode"
+    num_reqs: int
+    num_tokens: int
+    preempted: int
+    evicted: int
+    allocated_blocks: int
+    live_tokens: int
+    free_blocks: int
+    backpressure: bool
+    seconds: float
+
+
+class Engine:
+    """Continuous-batching engine over :class:`ModelRunner` and a :class:`ReclamationManager`.
+
+    Args:
+        model: the :class:`LlamaModel`.
+        config: :class:`EngineConfig`.
+        policy: overrides ``config.policy``: a name, an :class:`EvictionPolicy`,
+            a :class:`TraceRecorder` or a :class:`ReplayPolicy`.
+        record_trace: wrap the policy in a :class:`TraceRecorder` (``self.trace``).
+    """
+
+    def __init__(self, model: LlamaModel, config: EngineConfig, *, policy: PolicyLike = None,
+                 record_trace: bool = False):
+        if not isinstance(config, EngineConfig):
+            raise InvalidTypeError(f"config: expected an EngineConfig, got {type(config).__name__}")
+        self.config = config
+        self.mode = config.mode
+        policy = config.policy if policy is None else policy
+        if isinstance(policy, str):
+            policy = get_policy(policy, **config.policy_config)
+        if policy is not None and not hasattr(policy, "select_victims"):
+            raise InvalidTypeError(f"policy: expected a policy name or object, got {type(policy).__name__}")
+        if self.mode != "native" and policy is None:
+            raise InvalidArgumentError(f"policy: expected a policy in mode {self.mode!r} (it evicts), got None")
+        if record_trace:
+            if policy is None or isinstance(policy, (TraceRecorder, ReplayPolicy)):
+                raise InvalidArgumentError("record_trace: expected a plain policy to record, got "
+                                           f"{type(policy).__name__}")
+            policy = TraceRecorder(policy, meta={"mode": self.mode})
+        self.policy = policy if self.mode != "native" else None
+        self.trace = policy if isinstance(policy, TraceRecorder) else None
+        source = getattr(self.policy, "score_source", "none")
+        self._window = int(getattr(getattr(self.policy, "policy", self.policy), "window", 0)) \
+            if source == "window" else 0
+        self.runner = ModelRunner(model, RunnerConfig(
+            num_blocks=config.num_blocks, block_size=config.block_size, layout=config.layout,
+            max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_tokens,
+            key_scores="sum" if source == "exact" else "none", cuda_graph=config.cuda_graph,
+        ))
+        self.table = self.runner.table
+        self.reclaimer = ReclamationManager(
+            self.table, config.reclaim, kv_caches=self.runner.kv_caches, layout=self.runner.layout,
+            mirror=self.runner.mirror, device=self.runner.device,
+        )
+        self.runner.reclaimer = self.reclaimer
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self.requests: dict[Hashable, Request] = {}
+        self.stats: list[StepStats] = []
+        self.step_count = 0
+        self.peak_blocks = 0
+        self.peak_running = 0
+        self.num_preemptions = 0
+        self._next_id = 0
+
+    # -------------------------------------------------------------- requests
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks admission can ever use: all but the null block, less the vtoken headroom reserve."""
+        reserve = self.reclaimer.headroom if self.reclaimer.reclaims else 0
+        return self.table.ledger.usable_blocks - reserve
+
+    def add_request(self, prompt, max_new_tokens: int, request_id: Optional[Hashable] = None) -> Hashable:
+        """Queue a request; returns its id. The prompt must fit one prefill and the block budget."""
+        prompt = as_index_array("prompt", prompt, allow_empty=False)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise InvalidArgumentError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        vocab = self.runner.model.config.vocab_size
+        if prompt.min() < 0 or prompt.max() >= vocab:
+            raise InvalidArgumentError(f"prompt: expected token ids in [0, {vocab}), got {prompt[(prompt < 0) | (prompt >= vocab)][:8].tolist()}")
+        longest = len(prompt) + int(max_new_tokens) - 1  # what a recompute may have to prefill
+        if longest > self.config.max_num_tokens:
+            raise InvalidArgumentError(
+                f"prompt: expected len(prompt) + max_new_tokens - 1 <= max_num_tokens ({self.config.max_num_tokens}) "
+                f"so a recompute fits one prefill, got {longest}"
+            )
+        if _cdiv(longest, self.config.block_size) > self.usable_blocks:
+            raise InvalidArgumentError(
+                f"prompt: expected a request that fits the block budget ({self.usable_blocks} blocks), "
+                f"got one needing up to {_cdiv(longest, self.config.block_size)}"
+            )
+        if request_id is None:
+            while self._next_id in self.requests:
+                self._next_id += 1
+            request_id = self._next_id
+        if request_id in self.requests:
+            raise InvalidArgumentError(f"request_id: expected a new id, got {request_id!r}")
+        req = Request(request_id, prompt, int(max_new_tokens), arrival_time=time.perf_counter())
+        req._pending = prompt
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return request_id
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[Request]:
+        """Run one engine step (one forward); returns the requests that finished in it."""
+        t0 = time.perf_counter()
+        budget = self.reclaimer.admission_budget()
+        admitted = [] if budget.backpressure else self._admit(budget.free_blocks)
+        preempted = 0
+        if admitted:
+            kind, batch = "prefill", admitted
+            for r in admitted:
+                self.runner.add_request(r.request_id)
+            self.reclaimer.before_forward()
+            res = self.runner.prefill([r.request_id for r in admitted], [r._pending for r in admitted],
+                                      window=self._window)
+            if res is None:  # the budget said they fit: only foreign allocations can get here
+                for r in reversed(admitted):
+                    self.runner.finish(r.request_id)
+                    self.waiting.appendleft(r)
+                batch, res = [], None
+            else:
+                new_counts = [len(r._pending) for r in admitted]
+                self.running.extend(admitted)
+        else:
+            kind, batch = "decode", list(self.running)
+            res = None
+            while batch:
+                self.reclaimer.before_forward()
+                res = self.runner.decode([r.request_id for r in batch], [r.output[-1] for r in batch])
+                if res is not None:
+                    break
+                victim = batch.pop()  # the most recently admitted
+                self._preempt(victim)
+                preempted += 1
+            new_counts = [1] * len(batch)
+        done, evicted = [], 0
+        if res is not None and batch:
+            done, evicted = self._after_forward(batch, res, new_counts)
+        self.reclaimer.launch(self.reclaimer.maybe_plan())
+        self.reclaimer.commit()
+        led = self.table.ledger
+        self.peak_blocks = max(self.peak_blocks, led.num_allocated)
+        self.peak_running = max(self.peak_running, len(self.running))
+        self.stats.append(StepStats(
+            step=self.step_count, kind=kind, num_reqs=len(batch), num_tokens=int(sum(new_counts)) if batch else 0,
+            preempted=preempted, evicted=evicted, allocated_blocks=led.num_allocated,
+            live_tokens=int(led.total_live), free_blocks=led.num_free, backpressure=budget.backpressure,
+            seconds=time.perf_counter() - t0,
+        ))
+        self.step_count += 1
+        return done
+
+    def _admit(self, free_blocks: int) -> list[Request]:
+        cfg, S = self.config, self.config.block_size
+        admitted, tokens = [], 0
+        while self.waiting and len(self.running) + len(admitted) < cfg.max_num_reqs:
+            req = self.waiting[0]
+            n = len(req._pending)
+            need = _cdiv(n, S)
+            if need > free_blocks or tokens + n > cfg.max_num_tokens:
+                break
+            self.waiting.popleft()
+            free_blocks -= need
+            tokens += n
+            req.accumulator = self.policy.make_accumulator() if self.policy is not None else None
+            admitted.append(req)
+        return admitted
+
+    def _preempt(self, req: Request) -> None:
+        """Release ``req``'s blocks and queue it first, to recompute everything it has."""
+        self.runner.finish(req.request_id)
+        self.running.remove(req)
+        req._pending = np.concatenate([req.prompt, np.asarray(req.output, dtype=np.int64)])
+        req.num_preemptions += 1
+        req.accumulator = None
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _after_forward(self, batch: list[Request], res: StepResult, new_counts: list) -> tuple[list, int]:
+        now = time.perf_counter()
+        nxt = res.next_tokens()
+        table, eos = self.table, self.config.eos_token_id
+        done = []
+        for i, r in enumerate(batch):
+            r._pending = None
+            r.output.append(int(nxt[i]))
+            if r.first_token_time is None:
+                r.first_token_time = now
+            r.peak_blocks = max(r.peak_blocks, table.held_blocks(r.request_id))
+            if len(r.output) >= r.max_new_tokens or (eos is not None and r.output[-1] == eos):
+                done.append(r)
+        evicted = 0
+        if self.policy is not None:
+            evicted = self._evict(batch, res, new_counts, {id(r) for r in done})
+        for r in done:
+            r.retained_blocks = table.held_blocks(r.request_id)
+            r.live_tokens = table.live_count(r.request_id)
+            r.finish_time = now
+            self.runner.finish(r.request_id)
+            self.running.remove(r)
+            self.finished.append(r)
+        return done, evicted
+
+    def _evict(self, batch: list[Request], res: StepResult, new_counts: list, done: set) -> int:
+        if res.key_scores is not None:
+            accumulate_batch([r.accumulator for r in batch], res.token_ids, res.key_scores, res.kv_indptr)
+        evicted = 0
+        for i, r in enumerate(batch):
+            if id(r) in done:
+                continue
+            rid = r.request_id
+            ids = self.table.live_ids(rid)
+            seq_len = self.table.num_tokens(rid)
+            window_scores = res.window_scores[i] if res.window_scores is not None else None
+            # NOTE: the step's new tokens are protected (num_new), except for SnapKV's one decision
+            # at the end of prefill, where the window itself is what it protects (its contract: num_new=1).
+            num_new = 1 if window_scores is not None else int(new_counts[i])
+            view = self.policy.view(rid, seq_len, ids, seq_len=seq_len, num_new=num_new,
+                                    scores=r.accumulator, window_scores=window_scores)
+            victims = self.policy.select_victims(view)
+            if len(victims):
+                self.runner.evict(rid, victims)
+                evicted += len(victims)
+        return evicted
+
+    # ------------------------------------------------------------------- run
+    def generate(self, prompts: Sequence, max_new_tokens: Union[int, Sequence[int]], *,
+                 concurrency: Optional[int] = None, max_steps: Optional[int] = None) -> list[Request]:
+        """Serve ``prompts`` to completion; returns their :class:`Request` records in prompt order.
+
+        ``concurrency=None`` queues every prompt at once (open loop). With
+        ``concurrency=C`` the run is closed-loop: C requests are submitted, and
+        each completion submits the next one (its latency counts from then).
+        """
+        n = len(prompts)
+        mnt = [max_new_tokens] * n if isinstance(max_new_tokens, (int, np.integer)) else list(max_new_tokens)
+        if len(mnt) != n:
+            raise InvalidArgumentError(f"max_new_tokens: expected {n} values (one per prompt), got {len(mnt)}")
+        if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
+                                        or concurrency < 1):
+            raise InvalidArgumentError(f"concurrency: expected an int >= 1 or None, got {concurrency!r}")
+        ids, submitted = [], 0
+        limit = n if concurrency is None else min(concurrency, n)
+        while submitted < limit:
+            ids.append(self.add_request(prompts[submitted], mnt[submitted]))
+            submitted += 1
+        steps = 0
+        while self.has_work():
+            if max_steps is not None and steps >= max_steps:
+                raise InvalidArgumentError(f"max_steps: expected the run to finish within {max_steps} steps, it did not")
+            finished = self.step()
+            steps += 1
+            for _ in finished:
+                if submitted < n:
+                    ids.append(self.add_request(prompts[submitted], mnt[submitted]))
+                    submitted += 1
+        return [self.requests[i] for i in ids]
+
+    # --------------------------------------------------------------- summary
+    def summary(self) -> dict:
+        """Totals of the run so far (JSON-ready)."""
+        fin = self.finished
+        S = self.config.block_size
+        tokens = sum(len(r.output) for r in fin)
+        wall = sum(s.seconds for s in self.stats)
+        retained = [r.retained_blocks for r in fin if r.retained_blocks is not None]
+        live = [r.live_tokens for r in fin if r.live_tokens is not None]
+        lat = sorted(r.latency for r in fin)
+        rec = self.reclaimer.metrics.summary()
+        return {
+            "mode": self.mode,
+            "policy": getattr(self.policy, "name", None),
+            "requests": len(fin),
+            "generated_tokens": tokens,
+            "steps": self.step_count,
+            "seconds": wall,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "p95_latency_s": float(np.percentile(lat, 95)) if lat else None,
+            "mean_retained_blocks": float(np.mean(retained)) if retained else None,
+            "utilization": (sum(live) / (sum(retained) * S)) if retained and sum(retained) else None,
+            "peak_blocks": self.peak_blocks,
+            "peak_running": self.peak_running,
+            "preemptions": self.num_preemptions,
+            "relocated_tokens": rec.get("moves", 0),
+            "reclaimed_blocks": rec.get("freed_blocks", 0),
+            "backpressure_steps": rec.get("backpressure_steps", 0),
+        }
