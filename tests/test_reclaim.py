@@ -23,7 +23,7 @@ from reclaim_helpers import Runtime, assert_same
 from vtoken import invariants, ops
 from vtoken.copy_engine import CopyEngine
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation
-from vtoken.ledger import DST_INFLIGHT, FREE, OWNED, SHARED, SRC_INFLIGHT
+from vtoken.ledger import DST_INFLIGHT, SHARED, SRC_INFLIGHT
 from vtoken.metrics import FIELDS
 from vtoken.planner import collect_moves, select_sources
 from vtoken.reclaim import ReclaimConfig, ReclamationManager
