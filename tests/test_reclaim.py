@@ -623,9 +623,10 @@ def test_gpu_zero_host_syncs_and_matches_cpu(monkeypatch):
         assert torch.equal(a, b.cpu())
     assert gpu.mgr.copy_engine.poll() == 0
     mirror.check_against_table()
-    n = bufs.num_reqs
-    ip = bufs.kv_indptr[: n + 1].cpu().numpy()
-    want = np.concatenate([gpu.table.live_slots(r) for r in gpu.table.requests()])
+    reqs = gpu.table.requests()
+    mirror.build(bufs, reqs, [0] * len(reqs))  # after the last commit's moves
+    ip = bufs.kv_indptr[: len(reqs) + 1].cpu().numpy()
+    want = np.concatenate([gpu.table.live_slots(r) for r in reqs])
     assert np.array_equal(bufs.kv_indices[: ip[-1]].cpu().numpy(), want)
 
 

@@ -137,7 +137,7 @@ class DeviceMirror:
         self._tracked: dict = {}  # req -> row
         self._d_slot: list = []  # (positions int64, values int32)
         self._d_alive: list = []  # (positions int64, values int8)
-        self._staging = StagingRing(pinned=True, dtype=torch.int64, prealloc=2, capacity=1 << 16) if self.is_gpu else None
+        self._staging = StagingRing(pinned=True, dtype=torch.int64, prealloc=8, capacity=1 << 16) if self.is_gpu else None
         self.relayouts = 0
         self.bytes_shipped = 0
 
@@ -340,8 +340,8 @@ class DeviceMirror:
             within = torch.arange(total, device=self.device) - first[seg]
             src = meta[0][seg] + within
             dst = meta[1][seg] + within
-            slots[dst] = self.slots[src]
-            alive[dst] = self.alive[src]
+            slots.index_copy_(0, dst, self.slots.index_select(0, src))
+            alive.index_copy_(0, dst, self.alive.index_select(0, src))
         self.slots, self.alive = slots, alive
         self._start[rows] = new_start
         self._cap[rows] = caps
