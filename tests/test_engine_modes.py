@@ -156,3 +156,23 @@ def test_engine_errors(model):
     with pytest.raises(InvalidArgumentError, match="new id"):
         eng.add_request(np.arange(3), 2, request_id="x")
     assert len(eng.waiting) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ("h2o", "streamingllm"))
+def test_cuda_graph_engine_with_relocation_equals_eager(policy):
+    """vtoken mode on GPU: decode replays CUDA graphs while relocation runs outside them; same tokens as eager."""
+    import torch
+
+    model = LlamaModel(ModelConfig(**TINY), device="cuda")
+    prompts = _prompts((20, 27, 33, 14))
+    runs = {}
+    for graph in (True, False):
+        eng = _engine(model, "vtoken", policy=policy, policy_config=POLICY_CFG, cuda_graph=graph)
+        out = eng.generate(prompts, 16)
+        runs[graph] = ([r.output for r in out], eng.summary(), eng.runner.num_graph_replays)
+    torch.cuda.synchronize()
+    (tok_g, sum_g, replays_g), (tok_e, sum_e, replays_e) = runs[True], runs[False]
+    assert replays_g > 0 and replays_e == 0
+    assert sum_g["relocated_tokens"] > 0
+    assert tok_g == tok_e
