@@ -53,9 +53,18 @@ def make_request(req_id: str, prompt: list[int], max_tokens: int, block_size: in
                    block_hasher=get_request_block_hasher(block_size, sha256))
 
 
-def fingerprint(req_id: str, token: int) -> float:
-    """A float32-exact value naming (request, token id)."""
-    return float((hash(req_id) % 997) * 4096 + token + 1)
+def fingerprints(token_ids) -> np.ndarray:
+    """Per position, a float32-exact rolling hash of the tokens up to it.
+
+    Equal prefixes give equal values (like K/V), so the prefix-cache blocks two
+    requests share hold the right bytes for both.
+    """
+    out = np.empty(len(token_ids), dtype=np.float32)
+    h = 0
+    for i, t in enumerate(token_ids):
+        h = (h * 1000003 + int(t) + 1) % (1 << 23)
+        out[i] = h + 1
+    return out
 
 
 class FakeWorker:
@@ -79,7 +88,8 @@ class FakeWorker:
 
     def _write(self, req_id: str, first_token: int, slots: np.ndarray) -> None:
         s = torch.from_numpy(slots.astype(np.int64))
-        vals = torch.tensor([fingerprint(req_id, first_token + i) for i in range(len(slots))], dtype=torch.float32)
+        fp = fingerprints(self.sched.requests[req_id].all_token_ids[: first_token + len(slots)])
+        vals = torch.from_numpy(fp[first_token:])
         self.cache[s // self.bs, :, s % self.bs, :] = vals[:, None, None]
 
     def step(self):
@@ -94,9 +104,9 @@ class FakeWorker:
         if reqs:
             qlens = np.array([so.num_scheduled_tokens[r] for r in reqs])
             w.build_slot_lists(reqs, qlens)
-            for r in reqs:  # the "forward" writes the new tokens' fingerprints
-                n = w.shadow.num_tokens(r)
-                self._write(r, n - len(meta.appends[r]), np.asarray(meta.appends[r]))
+            for r in reqs:  # the "forward" writes the computed tokens' fingerprints
+                n, k = w.shadow.num_tokens(r), so.num_scheduled_tokens[r]
+                self._write(r, n - k, np.asarray(meta.appends[r])[-k:])
             if w.want_scores:
                 total = int(w.buffers.kv_indptr_host[len(reqs)])
                 ks = torch.from_numpy(self.rng.random((w.buffers.nnz_max, NUM_KV_HEADS), dtype=np.float32))
@@ -131,7 +141,8 @@ class FakeWorker:
             ids = ids[ids < n_done]
             slots = t.slots(r)[ids].astype(np.int64)
             got = self.cache[slots // self.bs, 0, slots % self.bs, 0].numpy()
-            want = np.array([fingerprint(r, int(i)) for i in ids], dtype=np.float32)
+            want = fingerprints(self.sched.requests[r].all_token_ids[:n_done])[ids] if r in self.sched.requests \
+                else got
             if not np.array_equal(got, want):
                 bad = np.flatnonzero(got != want)[:5]
                 raise AssertionError(f"request {r}: tokens {ids[bad].tolist()} not at their slots")

@@ -14,8 +14,10 @@ class VTokenConnectorMetadata(KVConnectorMetadata):
     Before the forward (``handle_preemptions``):
         1. ``dropped``: requests to forget (finished or preempted);
         2. ``evictions[req]``: token ids (int64) that died since the last step;
-        3. ``appends[req]``: the slots (int32, logical order) of the step's new
-           tokens. They equal vLLM's ``slot_mapping`` for the request.
+        3. ``appends[req]``: the slots (int32, logical order) of the tokens the
+           request gained: the step's new tokens (their slots equal vLLM's
+           ``slot_mapping``), preceded, on a request's first step, by the
+           slots of its prefix-cache hits (K/V already in the cache).
     After the forward (``wait_for_save``):
         4. ``moves[req] = (token_ids int64, new_slots int32)``: relocations the
            scheduler committed this step. The worker copies every layer's K/V

@@ -159,10 +159,20 @@ class SchedulerSide:
         cached = so.scheduled_cached_reqs
         for rid, c in zip(cached.req_ids, cached.num_computed_tokens):
             computed[rid] = c
-        reqs, counts, new_blocks = [], [], []
+        # NOTE: vLLM allocates in scheduling order (running, then new requests), and a
+        # prefix-cache hit may name blocks allocated earlier in the SAME step (two
+        # identical prompts admitted together). Mirroring in that order, flushing the
+        # batch before each admission with hits, registers those blocks first.
+        appends: dict = {}
+        batch: list = []  # (rid, n, new block ids)
         for rid, n in so.num_scheduled_tokens.items():
             if rid not in self.table:
+                if computed[rid] > 0:
+                    self._mirror_batch(batch, appends)
+                    batch = []
                 self._admit(rid, computed[rid])
+                # The worker learns the prefix-cache hits' slots with the request's first tokens.
+                appends[rid] = self.table.slots(rid)
             st = self._reqs[rid]
             have = self.table.num_tokens(rid)
             if have != computed[rid]:
@@ -173,22 +183,10 @@ class SchedulerSide:
             lo, hi = _cdiv(have, self.S), _cdiv(have + n, self.S)
             if len(vids) < hi:
                 raise InvariantViolation(f"mirror: vLLM holds {len(vids)} blocks for {rid!r}, {hi} needed")
-            reqs.append(rid)
-            counts.append(int(n))
-            new_blocks.append(vids[lo:hi])
+            batch.append((rid, int(n), vids[lo:hi]))
             st.num_new = int(n)
             st.scheduled_step = self.step
-        appends = {}
-        if reqs:
-            with self.alloc.mirroring(np.concatenate(new_blocks).tolist()):
-                slots = self.table.sync_new_tokens_batch(reqs, counts)
-            if slots is None:
-                raise InvariantViolation("mirror: the table could not take the blocks vLLM allocated")
-            ends = np.cumsum(counts)
-            for rid, a, b, nb in zip(reqs, ends - np.asarray(counts), ends, new_blocks):
-                appends[rid] = slots[a:b]
-                st = self._reqs[rid]
-                st.synced = np.concatenate([st.synced, nb.astype(np.int32)])
+        self._mirror_batch(batch, appends)
         t1 = time.perf_counter()
         moves = self._reclaim()
         t2 = time.perf_counter()
@@ -211,6 +209,23 @@ class SchedulerSide:
         self.stats["steps"] += 1
         self.step += 1
         return meta
+
+    def _mirror_batch(self, batch: list, appends: dict) -> None:
+        """Append the step's tokens of ``batch`` [(rid, n, vLLM's new block ids)] to the table."""
+        if not batch:
+            return
+        reqs = [b[0] for b in batch]
+        counts = [b[1] for b in batch]
+        with self.alloc.mirroring(np.concatenate([b[2] for b in batch]).tolist()):
+            slots = self.table.sync_new_tokens_batch(reqs, counts)
+        if slots is None:
+            raise InvariantViolation("mirror: the table could not take the blocks vLLM allocated")
+        ends = np.cumsum(counts)
+        for (rid, n, nb), a, b in zip(batch, ends - np.asarray(counts), ends):
+            prev = appends.get(rid)
+            appends[rid] = slots[a:b] if prev is None else np.concatenate([prev, slots[a:b]])
+            st = self._reqs[rid]
+            st.synced = np.concatenate([st.synced, nb.astype(np.int32)])
 
     def _admit(self, rid, num_computed: int) -> None:
         """Register a request (new or resumed); ``num_computed`` tokens are prefix-cache hits."""
@@ -378,6 +393,7 @@ class SchedulerSide:
                 num_gpu_blocks=int(self.pool.num_gpu_blocks),
                 free_blocks=int(self.pool.get_num_free_blocks()),
                 headroom_held=self.alloc.held,
+                freed_hashes_dropped=self.alloc.hashes_dropped,
                 requests=len(self._reqs),
                 waste_ratio=float(self.ledger.waste_ratio),
             )

@@ -1,0 +1,438 @@
+"""vtoken's vLLM 0.32 integration at unit level, with vLLM's own classes.
+
+The scheduler, KV cache manager, block pool and prefix cache are vLLM's; the
+model is replaced by ``tests/vllm_sched_harness.FakeWorker``, which runs
+vtoken's real worker side on a CPU KV cache holding a fingerprint per token
+and checks after every step that every live token sits at the slot vtoken's
+table gives it. Skipped when vllm is not installed (``.ci/vllm_tests.sh``
+installs it).
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from vtoken.integrations.vllm import vllm_available
+
+VLLM_OK, VLLM_WHY = vllm_available()
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not VLLM_OK, reason=f"needs vllm 0.32: {VLLM_WHY}")]
+
+BS = 16
+H2O = {"budget": 0.5, "window": 8, "sink": 0}
+AGGRESSIVE = {"low_watermark": 1.0, "check_interval": 1, "headroom_blocks": 4, "theta_F": 0.1}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from vllm_e2e_helper import make_tiny_llama
+
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+def extra(mode, policy="h2o", policy_config=H2O, reclaim=AGGRESSIVE):
+    out = {"mode": mode, "check_invariants": True}
+    if mode != "native":
+        out.update(policy=policy, policy_config=dict(policy_config), reclaim=dict(reclaim))
+    return out
+
+
+def prompts(n, lo, hi, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(lo, hi + 1))] for _ in range(n)]
+
+
+def setup(model_dir, mode, *, num_blocks=128, prefix_caching=True, n=4, lo=60, hi=100, max_tokens=40, seed=0,
+          max_num_seqs=8, **kw):
+    from vllm_sched_harness import FakeWorker, make_request, make_scheduler
+
+    sched = make_scheduler(model_dir, block_size=BS, num_blocks=num_blocks, prefix_caching=prefix_caching,
+                           max_num_seqs=max_num_seqs, extra=extra(mode, **kw))
+    for i, p in enumerate(prompts(n, lo, hi, seed)):
+        sched.add_request(make_request(f"r{i}", p, max_tokens, BS))
+    return sched, FakeWorker(sched, seed=seed)
+
+
+def side_of(sched):
+    return sched.connector.scheduler_side
+
+
+def pool_accounts(sched):
+    """vLLM's free blocks + the distinct blocks running requests list + vtoken's stash == usable."""
+    side = side_of(sched)
+    listed = set()
+    for blocks in side.stm.req_to_blocks.values():
+        listed.update(b.block_id for b in blocks if not b.is_null)
+    return side.pool.get_num_free_blocks() + len(listed) + side.alloc.held, side.pool.num_gpu_blocks - 1
+
+
+# --------------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    "cfg, err, match",
+    [
+        ({"mode": "lazy"}, ValueError, "mode: expected one of"),
+        ({"mode": "naive"}, ValueError, "policy: expected a policy name for mode 'naive'"),
+        ({"mode": "naive", "policy": "nope"}, ValueError, "policy: expected one of"),
+        ({"mode": "vtoken", "policy": "h2o", "reclaim": {"mode": "naive"}}, ValueError, "reclaim: expected no 'mode'"),
+        ({"mode": "vtoken", "policy": "h2o", "reclaim": {"theta": 0.3}}, ValueError, "unknown \\['theta'\\]"),
+        ({"mode": "vtoken", "policy": "h2o", "reclaim": {"theta_F": 2.0}}, ValueError, "theta_F"),
+        ({"mode": "vtoken", "policy": "snapkv"}, ValueError, "score source 'window'"),
+        ({"mode": "native", "colour": 1}, ValueError, "unknown \\['colour'\\]"),
+        ({"mode": "naive", "policy": "h2o", "policy_config": {"budget": 1.5}}, ValueError, "budget.ratio"),
+    ],
+)
+def test_config_rejects_bad_extra_config(cfg, err, match):
+    from vtoken.integrations.vllm.config import VTokenVLLMConfig
+
+    with pytest.raises(err, match=match):
+        VTokenVLLMConfig.from_extra_config(cfg)
+
+
+def test_config_builds_policy_and_reclaim_config():
+    from vtoken.integrations.vllm.config import VTokenVLLMConfig
+
+    c = VTokenVLLMConfig.from_extra_config({"mode": "vtoken", "policy": "h2o", "policy_config": {"budget": 0.25},
+                                            "reclaim": {"theta_F": 0.3, "headroom_blocks": 7}})
+    assert c.make_policy().budget.ratio == 0.25
+    rc = c.make_reclaim_config()
+    assert (rc.mode, rc.theta_F, rc.headroom_blocks) == ("vtoken", 0.3, 7)
+    assert VTokenVLLMConfig.from_extra_config({"mode": "native"}).make_policy() is None
+
+
+# --------------------------------------------------------------------------- allocator
+def _pool(n=16, caching=True):
+    from vllm.v1.core.block_pool import BlockPool
+
+    return BlockPool(n, caching, BS)
+
+
+def test_allocator_satisfies_protocol_over_vllm_block_pool():
+    from vtoken.integrations.vllm.allocator import VLLMBlockAllocator
+    from vtoken.pool import BlockAllocator
+
+    pool = _pool(16)
+    a = VLLMBlockAllocator(pool, headroom=3)
+    assert isinstance(a, BlockAllocator)
+    assert a.num_blocks == 16 and a.held == 3 and a.num_free == 15
+    assert pool.get_num_free_blocks() == 12  # the stash is physically out of vLLM's free queue
+    ids = a.allocate(5)  # stash first, then the pool
+    assert len(set(ids.tolist())) == 5 and 0 not in ids.tolist()
+    assert a.held == 0 and a.num_free == 10 and pool.get_num_free_blocks() == 10
+    assert a.allocate(11) is None and a.num_free == 10  # never partial, nothing changed
+    a.incref(ids[:2])
+    assert a.ref_count(ids[:2]).tolist() == [2, 2]
+    a.free(ids)
+    assert a.ref_count(ids[:2]).tolist() == [1, 1] and a.num_free == 13
+    snap = (pool.get_num_free_blocks(), [b.ref_cnt for b in pool.blocks])
+    with pytest.raises(ValueError, match="double free"):
+        a.free([int(ids[0]), int(ids[0])])
+    with pytest.raises(ValueError, match="expected block ids in"):
+        a.free([0])
+    assert snap == (pool.get_num_free_blocks(), [b.ref_cnt for b in pool.blocks])
+    a.free(ids[:2])
+    assert a.num_free == 15
+    assert a.top_up() == 3 and a.held == 3
+    assert a.release_stash() == 3 and pool.get_num_free_blocks() == 15
+
+
+def test_allocator_mirroring_hands_out_vllm_blocks_and_detached_skips_vllm_frees():
+    from vtoken.errors import InvariantViolation
+    from vtoken.integrations.vllm.allocator import VLLMBlockAllocator
+
+    pool = _pool(16)
+    a = VLLMBlockAllocator(pool)
+    got = [b.block_id for b in pool.get_new_blocks(3)]  # vLLM allocates for a request
+    assert a.num_free == 12
+    with a.mirroring(got):
+        assert a.num_free == 15  # queued ids count as free until the table claims them
+        assert a.allocate(2).tolist() == got[:2]
+        a.incref(got[:1])  # a prefix hit: vLLM's touch already counted it
+        assert a.allocate(1).tolist() == got[2:]
+    assert [pool.blocks[i].ref_cnt for i in got] == [1, 1, 1]
+    with pytest.raises(InvariantViolation, match="not claimed"):
+        with a.mirroring(got):
+            a.allocate(1)
+    with a.detached({got[0]}):
+        a.free(got)  # got[0] is vLLM's to free
+    assert [pool.blocks[i].ref_cnt for i in got] == [1, 0, 0]
+
+
+def test_allocator_drops_hash_only_when_the_last_reference_goes():
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    from vtoken.integrations.vllm.allocator import VLLMBlockAllocator
+
+    pool = _pool(8)
+    a = VLLMBlockAllocator(pool)
+    ids = a.allocate(2)
+    for i, b in enumerate(ids.tolist()):
+        pool._insert_block_hash(make_block_hash_with_group_id(bytes([i + 1]) * 32, 0), pool.blocks[b], num_tokens=BS)
+    a.incref(ids[:1])  # block 0 shared by two holders
+    a.free(ids)  # one holder drops both
+    assert pool.blocks[int(ids[0])].block_hash is not None  # still held: hash kept
+    assert pool.blocks[int(ids[1])].block_hash is None  # freed: hash dropped
+    assert a.hashes_dropped == 1
+
+
+# --------------------------------------------------------------------------- surgery
+def test_apply_block_list_rewrites_positions_and_checks_vllm_agrees(model_dir):
+    from vtoken.errors import InvariantViolation
+    from vtoken.integrations.vllm.surgery import apply_block_list, block_ids
+
+    sched, fw = setup(model_dir, "native", n=1, lo=70, hi=70)
+    fw.step()
+    side = side_of(sched)
+    old = block_ids(side.stm, "r0")
+    assert len(old) == 5
+    spare = side.pool.get_new_blocks(1)[0].block_id
+    new = old.copy()
+    new[1], new[2] = 0, spare
+    assert apply_block_list(side.stm, side.pool, "r0", new, old).tolist() == [1, 2]
+    assert block_ids(side.stm, "r0").tolist() == new.tolist()
+    assert side.stm.req_to_blocks["r0"][1] is side.pool.null_block
+    with pytest.raises(InvariantViolation, match="vtoken expected"):
+        apply_block_list(side.stm, side.pool, "r0", old, old + 1)
+
+
+# --------------------------------------------------------------------------- block surgery in a real scheduler
+@pytest.mark.parametrize("mode, policy, cfg", [
+    ("naive", "streamingllm", {"budget": 0.5, "window": 8, "sink": 4}),  # whole blocks die: holes
+    ("vtoken", "h2o", H2O),  # scattered deaths: relocations
+])
+def test_block_surgery_keeps_allocate_slots_correct(model_dir, mode, policy, cfg):
+    sched, fw = setup(model_dir, mode, policy=policy, policy_config=cfg, max_tokens=48)
+    side = side_of(sched)
+    holes = 0
+    while sched.has_unfinished_requests():
+        so = fw.step()
+        for rid in so.num_scheduled_tokens:
+            if rid not in side.table:
+                continue
+            req = sched.requests[rid]
+            blocks = side.stm.req_to_blocks[rid]
+            # No extra block for a hole: the list is exactly as long as the tokens need.
+            assert len(blocks) == -(-req.num_computed_tokens // BS)
+            assert sum(not b.is_null for b in blocks) == side.table.held_blocks(rid)
+            holes += sum(b.is_null for b in blocks)
+            # vLLM's own arithmetic for the next token asks for a block only when the tail is full.
+            need = side.stm.get_num_blocks_to_allocate(rid, req.num_computed_tokens + 1, [], req.num_computed_tokens,
+                                                       0, req.num_computed_tokens + 1)
+            assert need == int(req.num_computed_tokens % BS == 0)
+        free_plus_listed, usable = pool_accounts(sched)
+        assert free_plus_listed == usable
+    assert holes > 0
+    st = side.summary()
+    if mode == "naive":
+        assert st["naive_released_blocks"] > 0 and st["relocations"] == 0
+    else:
+        assert st["relocations"] > 0 and st["reclaimed_blocks"] > 0
+
+
+def test_freed_blocks_return_to_the_block_pool(model_dir):
+    sched, fw = setup(model_dir, "vtoken", n=6, max_tokens=32)
+    side = side_of(sched)
+    usable = side.pool.num_gpu_blocks - 1
+    fw.run()
+    st = side.summary()
+    assert st["reclaimed_blocks"] > 0 and st["relocations"] > 0
+    assert side.table.requests() == [] and not side.stm.req_to_blocks
+    assert side.pool.get_num_free_blocks() + side.alloc.held == usable
+    side.ledger.check_conservation()
+    side.shutdown()
+    assert side.pool.get_num_free_blocks() == usable and side.alloc.held == 0
+
+
+def test_prefix_shared_blocks_are_never_relocated_or_dropped(model_dir):
+    from vllm_sched_harness import make_request
+
+    from vtoken.ledger import SHARED
+
+    sched, fw = setup(model_dir, "vtoken", n=1, lo=96, hi=96, max_tokens=40)
+    side = side_of(sched)
+    prompt = sched.requests["r0"].prompt_token_ids
+    fw.step()  # r0's prompt is computed and hashed
+    sched.add_request(make_request("r1", prompt, 40, BS))  # same prompt: prefix-cache hits
+    plans = []
+    real_plan = side.manager.maybe_plan
+
+    def spy():
+        out = real_plan()
+        for p in out:
+            plans.append((p.request, p.src_blocks.copy(), side.ledger.state[p.src_blocks].copy()))
+        return out
+
+    side.manager.maybe_plan = spy
+    fw.step()
+    shared = [b.block_id for b in side.stm.req_to_blocks["r1"] if b.ref_cnt > 1]
+    assert len(shared) == 5  # (96 - 1) // 16 full prompt blocks hit; the last one is recomputed
+    pos = {b: side.stm.req_to_blocks["r0"].index(side.pool.blocks[b]) for b in shared}
+    while sched.has_unfinished_requests():
+        fw.step()
+        if "r0" not in side.table or "r1" not in side.table:
+            break
+        for b in shared:
+            both = [side.stm.req_to_blocks[r][pos[b]].block_id == b for r in ("r0", "r1")]
+            if all(both):  # still held by both: untouched
+                assert side.pool.blocks[b].ref_cnt == 2 and side.ledger.state[b] == SHARED
+                assert side.pool.blocks[b].block_hash is not None
+    assert plans, "expected relocations of the private suffix"
+    for _, src, states in plans:
+        assert not set(src.tolist()) & set(shared)
+        assert (states != SHARED).all()
+
+
+def test_same_step_prefix_hits_share_blocks_allocated_in_that_step(model_dir):
+    from vllm_sched_harness import make_request
+
+    sched, fw = setup(model_dir, "vtoken", n=1, lo=80, hi=80, max_tokens=24)
+    side = side_of(sched)
+    prompt = sched.requests["r0"].prompt_token_ids
+    sched.add_request(make_request("r1", prompt, 24, BS))  # admitted in the same step as r0
+    so = fw.step()
+    assert set(so.num_scheduled_tokens) == {"r0", "r1"}
+    shared = [b.block_id for b in side.stm.req_to_blocks["r1"] if b.ref_cnt == 2]
+    assert len(shared) == 4  # (80 - 1) // 16 blocks hit blocks r0 got in this very step
+    assert side.table.block_list("r1")[:4].tolist() == side.table.block_list("r0")[:4].tolist() == shared
+    fw.run()
+    assert side.pool.get_num_free_blocks() + side.alloc.held == side.pool.num_gpu_blocks - 1
+
+
+def test_hashes_of_changed_blocks_are_dropped(model_dir):
+    sched, fw = setup(model_dir, "vtoken", n=4, max_tokens=48)
+    side = side_of(sched)
+    freed_sources, dests = set(), set()
+    real_plan = side.manager.maybe_plan
+
+    def spy():
+        out = real_plan()
+        for p in out:
+            freed_sources.update(p.src_blocks.tolist())
+            dests.update(p.dst_blocks.tolist())
+        return out
+
+    side.manager.maybe_plan = spy
+    checked_taint = 0
+    while sched.has_unfinished_requests():
+        fw.step()
+        for rid, st in side._reqs.items():
+            if st.taint_tokens is None:
+                continue
+            blocks = side.stm.req_to_blocks[rid]
+            ncached = side.stm.num_cached_block.get(rid, 0)
+            for p in range(st.taint_tokens // BS, ncached):
+                assert blocks[p].is_null or blocks[p].block_hash is None
+                checked_taint += 1
+            clean = [b for b in blocks[: st.taint_tokens // BS] if not b.is_null and b.block_id not in dests]
+            assert all(b.block_hash is not None for b in clean)  # untouched prompt blocks keep theirs
+        for b in dests:
+            assert side.pool.blocks[b].block_hash is None
+        for b in freed_sources:
+            blk = side.pool.blocks[b]
+            assert blk.ref_cnt > 0 or blk.block_hash is None  # freed by vtoken: no hash
+        freed_sources = {b for b in freed_sources if side.pool.blocks[b].ref_cnt == 0}
+    assert dests and checked_taint > 0
+    assert side.alloc.hashes_dropped > 0
+
+
+def test_native_mode_keeps_every_hash(model_dir):
+    sched, fw = setup(model_dir, "native", n=2, max_tokens=40)
+    side = side_of(sched)
+    fw.step()
+    fw.step()
+    for rid in ("r0", "r1"):
+        full = [b for b in side.stm.req_to_blocks[rid][: side.stm.num_cached_block[rid]]]
+        assert full and all(b.block_hash is not None for b in full)
+    fw.run()
+    assert side.summary()["evicted_tokens"] == 0 and side.alloc.hashes_dropped == 0
+
+
+def test_backpressure_holds_new_admissions_while_reclamation_is_pending(model_dir):
+    from vllm_sched_harness import make_request
+
+    sched, fw = setup(model_dir, "vtoken", n=3, max_tokens=64)
+    side = side_of(sched)
+    for _ in range(64):
+        fw.step()
+        if side.manager.pending:
+            break
+    assert side.manager.pending
+    sched.add_request(make_request("late", prompts(1, 40, 40, seed=7)[0], 8, BS))
+    assert sched.connector.get_num_new_matched_tokens(sched.requests["late"], 0) == (None, False)
+    so = fw.step()
+    assert "late" not in so.num_scheduled_tokens and side.summary()["backpressure_skips"] >= 2
+    fw.run()  # admitted once the pressure is gone
+    assert "late" not in sched.requests and side.table.requests() == []
+
+
+def test_preemption_drops_the_request_and_its_blocks(model_dir):
+    # A pool too small for every request: vLLM preempts (frees the blocks itself).
+    sched, fw = setup(model_dir, "vtoken", n=6, lo=70, hi=90, max_tokens=64, num_blocks=30,
+                      reclaim={**AGGRESSIVE, "headroom_blocks": 2})
+    side = side_of(sched)
+    preempted = 0
+    while sched.has_unfinished_requests():
+        so = fw.step()
+        preempted += len(so.preempted_req_ids or ())
+    assert preempted > 0
+    assert side.table.requests() == []
+    assert side.pool.get_num_free_blocks() + side.alloc.held == side.pool.num_gpu_blocks - 1
+    side.ledger.check_conservation()
+
+
+# --------------------------------------------------------------------------- worker side pieces
+def test_worker_metadata_aggregates_by_summing():
+    from vtoken.integrations.vllm.meta import VTokenWorkerMetadata
+
+    a = VTokenWorkerMetadata(3, {"x": np.array([1.0, 2.0], np.float32)})
+    b = VTokenWorkerMetadata(3, {"x": np.array([0.5, 0.5], np.float32), "y": np.array([1.0], np.float32)})
+    c = a.aggregate(b)
+    assert c.scores["x"].tolist() == [1.5, 2.5] and c.scores["y"].tolist() == [1.0]
+    assert a.scores["x"].tolist() == [1.0, 2.0]
+    with pytest.raises(ValueError, match="other.step"):
+        a.aggregate(VTokenWorkerMetadata(4, {}))
+
+
+def test_attention_impl_writes_the_vllm_fused_layout():
+    from vtoken.integrations.vllm.attention import VTokenAttentionImpl
+
+    nb, h, d = 6, 2, 8
+    impl = VTokenAttentionImpl(num_heads=4, head_size=d, scale=d ** -0.5, num_kv_heads=h)
+    cache = torch.full((nb, h, BS, 2 * d), float("nan"))
+    slots = random.Random(0).sample(range(BS, nb * BS), 7)
+    key, value = torch.randn(8, h, d), torch.randn(8, h, d)
+    sm = torch.tensor(slots + [-1])  # a PAD row is skipped
+    before = cache.clone()
+    impl.do_kv_cache_update(None, key, value, cache, sm)
+    for i, s in enumerate(slots):
+        assert torch.equal(cache[s // BS, :, s % BS, :d], key[i])
+        assert torch.equal(cache[s // BS, :, s % BS, d:], value[i])
+    written = torch.zeros(nb, BS, dtype=torch.bool)
+    for s in slots:
+        written[s // BS, s % BS] = True
+    untouched = ~written[:, None, :, None].expand_as(cache)
+    assert torch.equal(cache[untouched].isnan(), before[untouched].isnan())
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        VTokenAttentionImpl(num_heads=4, head_size=d, scale=1.0, num_kv_heads=h, sliding_window=128)
+
+
+def test_plugin_routes_cpu_attention_only_for_the_vtoken_connector(model_dir):
+    from vllm.config import KVTransferConfig, set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vtoken.integrations.vllm import attention, plugin
+
+    plugin.register()
+    assert AttentionBackendEnum.CUSTOM.get_class() is attention.VTokenAttentionBackend
+    plain = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="float32", block_size=32).create_engine_config()
+    kvt = KVTransferConfig(kv_connector="VTokenConnector", kv_connector_module_path="vtoken.integrations.vllm.connector",
+                           kv_role="kv_both", kv_connector_extra_config={"mode": "native"})
+    ours = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="float32", block_size=32,
+                      kv_transfer_config=kvt).create_engine_config()
+    with set_current_vllm_config(plain):
+        assert AttentionBackendEnum.CPU_ATTN.get_class() is CPUAttentionBackend
+    with set_current_vllm_config(ours):
+        assert AttentionBackendEnum.CPU_ATTN.get_class() is attention.VTokenAttentionBackend

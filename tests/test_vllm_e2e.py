@@ -1,0 +1,111 @@
+"""End to end with vLLM 0.32's ``LLM.generate`` on CPU: a random-weight tiny Llama saved locally.
+
+Each configuration runs in its own process (``tests/vllm_e2e_helper.py``):
+vLLM caches its attention-backend choice per process, and a fresh engine per
+run keeps the runs independent. All runs are greedy, on token-id prompts.
+
+- (a) the plugin in native mode is token-identical to vanilla vLLM (CPU_ATTN);
+- (b) with H2O, naive and vtoken are token-identical, vtoken relocates and
+  holds fewer blocks (read from vLLM's BlockPool), and eviction really changes
+  the outputs (the attention reads only live tokens);
+- (c) a long run with many requests, admission pressure and preemptions
+  leaks no block: the pool is full again at the end.
+
+Skipped when vllm is not installed (``.ci/vllm_tests.sh`` installs it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vtoken.integrations.vllm import vllm_available
+
+VLLM_OK, VLLM_WHY = vllm_available()
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not VLLM_OK, reason=f"needs vllm 0.32: {VLLM_WHY}")]
+
+HELPER = os.path.join(os.path.dirname(__file__), "vllm_e2e_helper.py")
+PROMPTS = {"num_prompts": 4, "prompt_len": [60, 100], "max_tokens": 48, "duplicate": [[0, 3]]}
+H2O = {"policy": "h2o", "policy_config": {"budget": 0.5, "window": 8, "sink": 0}}
+RECLAIM = {"low_watermark": 1.0, "check_interval": 1, "headroom_blocks": 4, "theta_F": 0.1}
+
+
+def run_vllm(cfg: dict) -> dict:
+    env = dict(os.environ)
+    # The CPU build has no Triton backend: inside vLLM, vtoken's ops use the
+    # C++ CPU ops / torch references, not the Triton interpreter the unit tests use.
+    env.pop("TRITON_INTERPRET", None)
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VTOKEN_DEBUG_INVARIANTS="1")
+    proc = subprocess.run([sys.executable, HELPER, json.dumps(cfg)], capture_output=True, text=True, env=env,
+                          timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VTOKEN_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"vLLM run failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1][len("VTOKEN_RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from vllm_e2e_helper import make_tiny_llama
+
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_e2e")))
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir):
+    """Every configuration once (about 30 s each on a 2-core machine)."""
+    base = {"model_dir": model_dir, "make_model": False, **PROMPTS}
+    out = {
+        # CPU_ATTN needs block sizes that are multiples of 32.
+        "vanilla": run_vllm({**base, "block_size": 32}),
+        "native": run_vllm({**base, "block_size": 32, "mode": "native"}),
+        "naive": run_vllm({**base, "block_size": 16, "mode": "naive", **H2O, "reclaim": RECLAIM}),
+        "vtoken": run_vllm({**base, "block_size": 16, "mode": "vtoken", **H2O, "reclaim": RECLAIM}),
+    }
+    print("\nvLLM e2e:", json.dumps({k: {"stats": v["stats"], "times": v["times"]} for k, v in out.items()}))
+    return out
+
+
+def test_a_native_mode_is_token_identical_to_vanilla_vllm(runs):
+    assert runs["vanilla"]["backend"] == "CPUAttentionBackend"
+    assert runs["native"]["backend"] == "VTokenAttentionBackend"
+    assert runs["native"]["outputs"] == runs["vanilla"]["outputs"]
+    assert all(len(o) == PROMPTS["max_tokens"] for o in runs["native"]["outputs"])
+    assert runs["native"]["stats"]["evicted_tokens"] == 0
+
+
+def test_b_naive_and_vtoken_are_token_identical_and_vtoken_holds_fewer_blocks(runs):
+    naive, vt = runs["naive"], runs["vtoken"]
+    assert naive["backend"] == vt["backend"] == "VTokenAttentionBackend"
+    assert vt["outputs"] == naive["outputs"]
+    # Eviction is real: attention over the live tokens changes what is generated.
+    assert naive["outputs"] != runs["native"]["outputs"]
+    sn, sv = naive["stats"], vt["stats"]
+    assert sn["evicted_tokens"] == sv["evicted_tokens"] > 0
+    assert sv["relocations"] > 0 and sv["reclaimed_blocks"] > 0 and sn["relocations"] == 0
+    assert sv["steps"] == sn["steps"]
+    # Blocks the requests hold, read from vLLM's BlockPool every step (in use minus vtoken's headroom stash).
+    assert sv["peak_blocks_held"] < sn["peak_blocks_held"]
+    assert sv["sum_blocks_held"] < sn["sum_blocks_held"]
+    for r in (naive, vt):
+        assert r["free_blocks_after_shutdown"] == r["num_gpu_blocks"] - 1
+
+
+def test_c_long_run_with_many_requests_leaks_no_block(model_dir):
+    cfg = {
+        "model_dir": model_dir, "make_model": False, "num_prompts": 24, "prompt_len": [40, 120], "max_tokens": 40,
+        "seed": 1, "block_size": 16, "num_blocks": 40, "max_model_len": 512, "max_num_seqs": 6, "mode": "vtoken", **H2O,
+        "reclaim": {**RECLAIM, "low_watermark": 0.25, "headroom_blocks": 3},
+    }
+    r = run_vllm(cfg)
+    print("\nvLLM e2e long run:", json.dumps({"stats": r["stats"], "times": r["times"]}))
+    assert len(r["outputs"]) == 24 and all(len(o) == 40 for o in r["outputs"])
+    st = r["stats"]
+    assert st["relocations"] > 0 and st["evicted_tokens"] > 0
+    assert r["table_requests_end"] == 0
+    # Every block is back: vLLM's free queue plus vtoken's stash, then the stash too.
+    assert r["free_blocks_end"] + r["headroom_held_end"] == r["num_gpu_blocks"] - 1
+    assert r["free_blocks_after_shutdown"] == r["num_gpu_blocks"] - 1
