@@ -267,6 +267,12 @@ class CopyEngine:
             self._staging.poll()
         return len(self._pending)
 
+    def synchronize(self) -> None:
+        """Block the host until every launched copy completed (debug checks, teardown; never per step)."""
+        for t in list(self._pending):
+            t.event.synchronize()
+        self.poll()
+
     @property
     def pending_events(self) -> int:
         """Launches whose ``E`` has not completed (as of the last poll)."""

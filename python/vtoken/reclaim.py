@@ -363,7 +363,7 @@ class ReclamationManager:
         src = np.concatenate([p.src_slots for p in plans])
         dst = np.concatenate([p.dst_slots for p in plans])
         if self.checking:
-            self._i1_before = self._capture_rows(plans)
+            self._i1_before.update(self._capture_rows(plans))
         try:
             ticket = self.copy_engine.launch(src, dst, step=self.step)
         except Exception:
@@ -501,8 +501,7 @@ class ReclamationManager:
     def _check_after_commit(self) -> None:
         eng = self.copy_engine
         if self._i1_before:
-            for t in list(eng._pending):  # the "after" side must read completed copies
-                t.event.synchronize()
+            eng.synchronize()  # the "after" side must read completed copies (debug only)
             for req, (ids, rows) in self._i1_before.items():
                 if req not in self.table:
                     continue
