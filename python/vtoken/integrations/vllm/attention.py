@@ -18,8 +18,8 @@ backend's write), by an indexed copy on CPU.
 
 CUDA graphs: the builder reports ``AttentionCGSupport.NEVER``, so vLLM runs
 attention eagerly between the pieces of a PIECEWISE graph (``cudagraph_mode``
-``NONE`` and ``PIECEWISE`` work; vLLM downgrades ``FULL*`` modes to
-piecewise for this backend). The slot lists live in fixed-address buffers
+``NONE`` and ``PIECEWISE`` work; vLLM downgrades its default
+``FULL_AND_PIECEWISE`` to ``PIECEWISE`` and rejects ``FULL``). The slot lists live in fixed-address buffers
 (:class:`vtoken.buffers.SlotListBuffers`), so a full-graph capture is
 possible later; what stops it today is the per-step host bookkeeping of the
 builder (batch order, score split), see docs/vllm.md.
