@@ -41,7 +41,7 @@ Example (CPU, tiny random model)::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable, Optional, Protocol, Sequence
 
 import numpy as np
