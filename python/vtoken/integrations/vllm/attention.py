@@ -144,11 +144,14 @@ class VTokenAttentionMetadataBuilder(AttentionMetadataBuilder[VTokenAttentionMet
             t = int(query_lens.sum())
             if not torch.equal(bufs.slot_mapping[:t].to(torch.int64), cm.slot_mapping[:t].to(torch.int64)):
                 raise InvariantViolation("worker mirror: vtoken's slot mapping differs from vLLM's")
+        # NOTE: a view of the fixed-address buffer cut at this batch's live total
+        # (known on the host), so key scores are [total, H] rather than [nnz_max, H].
+        total = max(int(bufs.kv_indptr_host[n]), 1)
         return VTokenAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_reqs=cm.num_reqs,
             q_indptr=q_indptr,
-            kv_indices=bufs.kv_indices,
+            kv_indices=bufs.kv_indices[:total],
             kv_indptr=bufs.kv_indptr[: cm.num_reqs + 1],
             want_scores=worker.want_scores,
         )
@@ -221,12 +224,10 @@ class VTokenAttentionImpl(AttentionImpl):
             return output
         res = ops.token_attention(
             query[:t], kv_cache, self._layout_of(kv_cache), attn_metadata.kv_indices, attn_metadata.kv_indptr,
-            attn_metadata.q_indptr, scale=self.scale, return_key_scores=attn_metadata.want_scores,
+            attn_metadata.q_indptr, scale=self.scale, return_key_scores=attn_metadata.want_scores, out=out,
         )
         if attn_metadata.want_scores:
-            res, key_scores = res
-            worker_mod.current().add_key_scores(key_scores)
-        out.copy_(res)
+            worker_mod.current().add_key_scores(res[1])
         return output
 
 

