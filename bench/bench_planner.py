@@ -217,7 +217,10 @@ def main(argv=None) -> dict:
         bench_steps(R, L, S, 1, steps, "vtoken active", "vtoken", **common),
     ]
     print_table(f"decode-step bookkeeping, {R} requests x {L} tokens, S={S}", step_rows)
-    payload = {"plan": plan_rows, "steps": step_rows, "quick": args.quick}
+    summary = [{"planner": r["planner"], "sources": r["sources"], "ms_median": r["ms_median"]} for r in plan_rows]
+    summary += [{"mode": r["mode"], "us_median": r["us_median"], "hooks_us_median": r["hooks_us_median"],
+                 "moves_per_step": r["moves_per_step"]} for r in step_rows]
+    payload = {"summary": summary, "plan": plan_rows, "steps": step_rows, "quick": args.quick}
     path = write_json("planner", payload)
     print(f"\nwrote {path}")
     return payload

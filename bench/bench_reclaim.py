@@ -234,7 +234,11 @@ def main(argv=None) -> dict:
                 f"{sz['head_dim']} {str(sz['dtype']).replace('torch.', '')}, S={sz['S']})", stall)
     over = bench_overhead(sz, device)
     print_table("reclamation hooks on (no eviction) vs off", [over])
-    payload = {"stall": stall, "overhead": over, "device_type": device.type, "quick": not gpu,
+    summary = [{"mode": r["mode"], "host_us_plan_launch": r["host_us_plan_launch"],
+                "host_stall_ms": r["host_stall_ms"], "forward_ms": r["forward_ms"], "copy_ms": r["copy_ms"]}
+               for r in stall]
+    summary.append({"mode": "hooks", "overhead_pct": over["overhead_pct"], "hooks_host_us": over["hooks_host_us"]})
+    payload = {"summary": summary, "stall": stall, "overhead": over, "device_type": device.type, "quick": not gpu,
                "sizes": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in sz.items()}}
     path = write_json("reclaim", payload)
     print(f"\nwrote {path}")
