@@ -1,6 +1,8 @@
 """Per-decode-step bookkeeping cost of the token table + block ledger (CPU).
 
-One decode step over a batch of R requests of L tokens each (block size S):
+Each request first has ``--pre-evict`` (default half) of its L tokens evicted
+at random, untimed, so the waste ratio starts near F = 0.5 as in a running
+eviction policy. Then one decode step over the batch of R requests (block size S):
   1. append one token per request   (``sync_new_tokens_batch``),
   2. evict k tokens per request      (Naive-Evict frees included), either from
      one flat [R*k] id array, ascending within each request (``evict_flat``,
@@ -87,38 +89,47 @@ class DictTable:
         self.free.append(b)
         self.allocated -= 1
 
-    def step(self, reqs, victims) -> float:
+    def evict(self, req, ids) -> None:
         S = self.S
+        alive, slot = self.alive[req], self.slot[req]
+        tail = (self.ntok[req] - 1) // S
+        for t in ids:
+            if t not in alive:
+                raise ValueError(f"token_ids: expected live tokens, got {t}")
+            alive.remove(t)
+            b = slot[t] // S
+            self.live[b] -= 1
+            self.total_live -= 1
+            if self.live[b] == 0 and t // S != tail:  # no moves here: token t sits at position t // S
+                self._free(req, t // S)
+
+    def step(self, reqs, victims) -> float:
         for req in reqs:
             self._append(req)
         for req, ids in zip(reqs, victims):
-            alive, slot, blocks = self.alive[req], self.slot[req], self.blocks[req]
-            tail = (self.ntok[req] - 1) // S
-            for t in ids:
-                if t not in alive:
-                    raise ValueError(f"token_ids: expected live tokens, got {t}")
-                alive.remove(t)
-                b = slot[t] // S
-                self.live[b] -= 1
-                self.total_live -= 1
-                if self.live[b] == 0 and t // S != tail:  # no moves here: token t sits at position t // S
-                    self._free(req, t // S)
-        return 1.0 - self.total_live / (self.allocated * S)
+            self.evict(req, ids)
+        return 1.0 - self.total_live / (self.allocated * self.S)
 
 
-def make_victims(rng, R: int, L: int, k: int, steps: int) -> list:
-    """Per step, k distinct not-yet-evicted ids per request (from the first L tokens)."""
-    perm = np.argsort(rng.random((R, L)), axis=1)[:, : k * steps]
-    return [[perm[r, s * k : (s + 1) * k].astype(np.int64) for r in range(R)] for s in range(steps)]
+def make_victims(rng, R: int, L: int, k: int, steps: int, pre: float = 0.0):
+    """(pre-evicted ids per request, per step k distinct live ids per request), from the first L tokens."""
+    n_pre = round(pre * L)
+    if n_pre + k * steps > L:
+        raise ValueError(f"steps: expected pre-eviction + k * steps <= context, got {n_pre} + {k * steps} > {L}")
+    perm = np.argsort(rng.random((R, L)), axis=1)
+    pre_ids = [np.sort(perm[r, :n_pre]).astype(np.int64) for r in range(R)]
+    per_step = [[perm[r, n_pre + s * k : n_pre + (s + 1) * k].astype(np.int64) for r in range(R)] for s in range(steps)]
+    return pre_ids, per_step
 
 
-def run_vtoken(R, L, S, k, steps, victims, form: str = "flat") -> list:
+def run_vtoken(R, L, S, k, steps, pre_ids, victims, form: str = "flat") -> list:
     ledger = BlockLedger(BlockPool(R * (_blocks(L + steps, S) + 1) + 1), S)
     table = TokenTable(ledger, initial_tokens=R * (L + steps))
     reqs = list(range(R))
     for r in reqs:
         table.add_request(r)
     table.sync_new_tokens_batch(reqs, np.full(R, L, dtype=np.int64))
+    table.evict_batch(reqs, pre_ids)
     ones = np.ones(R, dtype=np.int64)
     counts = np.full(R, k, dtype=np.int64)
     # A batched policy's output: [R*k] ids, ascending within each request.
@@ -137,11 +148,12 @@ def run_vtoken(R, L, S, k, steps, victims, form: str = "flat") -> list:
     return times, f
 
 
-def run_dict(R, L, S, k, steps, victims) -> list:
+def run_dict(R, L, S, k, steps, pre_ids, victims) -> list:
     d = DictTable(R * (_blocks(L + steps, S) + 1) + 1, S)
     reqs = list(range(R))
     for r in reqs:
         d.add_request(r, L)
+        d.evict(r, pre_ids[r].tolist())
     vlists = [[v.tolist() for v in vs] for vs in victims]  # the dict version gets Python ints
     times = []
     for s in range(steps):
@@ -163,6 +175,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--evict", type=int, nargs="+", default=[1, 8], help="tokens evicted per request per step")
     ap.add_argument("--steps", type=int, default=100, help="decode steps per repeat")
+    ap.add_argument("--pre-evict", type=float, default=0.5,
+                    help="fraction of each request evicted at random before the timed steps (F ~ this)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -173,12 +187,12 @@ def main(argv=None) -> dict:
     for k in args.evict:
         vt, vb, dt = [], [], []
         for rep in range(args.repeats):
-            victims = make_victims(np.random.default_rng(args.seed + rep), R, L, k, args.steps)
-            t, f_vt = run_vtoken(R, L, S, k, args.steps, victims, "flat")
+            pre, victims = make_victims(np.random.default_rng(args.seed + rep), R, L, k, args.steps, args.pre_evict)
+            t, f_vt = run_vtoken(R, L, S, k, args.steps, pre, victims, "flat")
             vt += t
-            t, f_vb = run_vtoken(R, L, S, k, args.steps, victims, "lists")
+            t, f_vb = run_vtoken(R, L, S, k, args.steps, pre, victims, "lists")
             vb += t
-            t, f_dict = run_dict(R, L, S, k, args.steps, victims)
+            t, f_dict = run_dict(R, L, S, k, args.steps, pre, victims)
             dt += t
             assert f_vt == f_vb and abs(f_vt - f_dict) < 1e-12, f"waste ratio differs: {f_vt}, {f_vb}, dict {f_dict}"
         v, b, d = statistics.median(vt), statistics.median(vb), statistics.median(dt)

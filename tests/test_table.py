@@ -13,7 +13,6 @@ from vtoken.ledger import (
     DST_INFLIGHT, FREE, NO_OWNER, OWNED, SHARED, SHARED_OWNER, BlockLedger,
 )
 from vtoken.pool import NULL_BLOCK, BlockPool
-from vtoken.table import TokenTable
 
 BLOCK_SIZES = [1, 3, 16]
 SPLITS = [(1,), (5, 11), (16, 1, 15, 33), (0, 7, 0, 64)]
