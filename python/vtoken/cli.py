@@ -55,7 +55,57 @@ def _run_fragmentation(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [_add_fragmentation]
+def _add_demo(sub) -> None:
+    from vtoken.experiments.common import add_model_args, add_output_args
+    from vtoken.experiments.demo import DemoConfig
+    from vtoken.policies import available
+
+    d = DemoConfig()
+    p = sub.add_parser(
+        "demo",
+        help="paired native / naive / vtoken run on the embedded engine (the main job)",
+        description="Serve the same requests in native, naive and vtoken modes on one recorded victim trace "
+        "(recorded in naive, replayed in vtoken) and print, per mode, blocks retained per request, utilization, F, "
+        "peak blocks, tokens/s and the max feasible concurrency at the block budget, and whether the greedy "
+        "outputs of naive and vtoken are identical.",
+    )
+    p.add_argument("--policy", choices=available(), default=d.policy, help="eviction policy (default %(default)s)")
+    p.add_argument("--evict-ratio", type=float, default=d.evict_ratio,
+                   help="fraction of each request's tokens the policy evicts (default %(default)s)")
+    p.add_argument("--window", type=int, default=None, help="the policy's protected recent window (default: its own)")
+    p.add_argument("--requests", type=int, default=d.requests, help="requests, all resident at once (default %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens (default %(default)s)")
+    p.add_argument("--output-len", type=int, default=d.output_len, help="generated tokens (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default %(default)s)")
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks,
+                   help="KV blocks in the pool, the null block included (default %(default)s)")
+    p.add_argument("--theta-f", type=float, default=d.theta_f,
+                   help="vtoken reclaims while the pool's waste ratio F exceeds this (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="prompts and model weights seed (default %(default)s)")
+    add_model_args(p)
+    add_output_args(p)
+    p.set_defaults(func=_run_demo, parser=p)
+
+
+def _run_demo(args) -> int:
+    from vtoken.experiments import common
+    from vtoken.experiments.demo import DemoConfig, format_demo, plot_demo, run_demo
+
+    with common.cli_errors(args.parser):
+        plt = common.require_matplotlib() if args.plot else None
+        cfg = DemoConfig(policy=args.policy, evict_ratio=args.evict_ratio, window=args.window,
+                         requests=args.requests, prompt_len=args.prompt_len, output_len=args.output_len,
+                         block_size=args.block_size, num_blocks=args.num_blocks, theta_f=args.theta_f,
+                         seed=args.seed, model=common.model_spec(args))
+        with common.Progress(3, "demo") as progress:
+            res = run_demo(cfg, progress=progress)
+    if plt is not None:
+        plot_demo(res, args.plot, plt)
+    common.emit(args, res.to_dict(), format_demo(res))
+    return 0
+
+
+SUBCOMMANDS = [_add_fragmentation, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

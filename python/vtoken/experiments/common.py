@@ -1,0 +1,394 @@
+"""Shared pieces of the engine experiments (``vtoken demo / retained / sla / prefix``).
+
+- **Model presets.** ``tiny`` (the default: a 2-layer random Llama that runs a
+  paired experiment on a laptop CPU in seconds) and ``gpu`` (TinyLlama-1.1B's
+  shape in bf16, random weights, for GPU runs). ``--model-path`` loads a LOCAL
+  Hugging Face Llama checkpoint instead; nothing is downloaded.
+- **Paired runs** (ARCHITECTURE §6). :func:`paired_run` serves the same prompts
+  in each mode. The policy runs live once, in ``naive`` mode, with its victims
+  recorded; every other evicting mode replays that trace
+  (:class:`vtoken.policies.ReplayPolicy`, strict), so naive and vtoken see the
+  same victims and their greedy outputs must be identical.
+- **CLI plumbing.** Shared options, a progress bar (``rich``, only when it is
+  installed and stderr is a terminal), and ``--plot`` through matplotlib, both
+  from the ``[bench]`` extra and imported lazily.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from vtoken.errors import InvalidArgumentError, VTokenError
+
+MODEL_PRESETS = {
+    # init_std 0.2 (not 0.02) gives the random model peaked attention, so score-based policies
+    # make real choices and greedy outputs do not collapse to one repeated token.
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=2, init_std=0.2, dtype="float32"),
+    # TinyLlama-1.1B's shape (22 layers, GQA 32/4, head_dim 64), random bf16 weights.
+    "gpu": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32,
+                num_kv_heads=4, init_std=0.02, dtype="bfloat16", max_position_embeddings=8192),
+}
+
+# Reclamation in the paired experiments: memory is treated as always low (the low watermark is the
+# whole pool), so vtoken reclaims whenever F > theta_F, as it would at the budget limit; everything
+# else is ReclaimConfig's default.
+EAGER_RECLAIM = dict(low_watermark=1.0)
+
+
+class MissingExtraError(VTokenError, ImportError):
+    """An optional dependency of a CLI feature is not installed."""
+
+
+# ----------------------------------------------------------------------------- checks
+def check_int(name: str, v, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
+        raise InvalidArgumentError(f"{name}: expected an int >= {minimum}, got {v!r}")
+    return int(v)
+
+
+def check_ratio(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < float(v) < 1.0:
+        raise InvalidArgumentError(f"{name}: expected a value in (0, 1), got {v!r}")
+    return float(v)
+
+
+def check_policy(name: str) -> str:
+    from vtoken.policies import available
+
+    if name not in available():
+        raise InvalidArgumentError(f"policy: expected one of {available()}, got {name!r}")
+    return name
+
+
+def parse_int_list(name: str, text) -> tuple:
+    """``"1,2,4"`` (or a sequence of ints) as a tuple of unique ints >= 1, in the given order."""
+    if isinstance(text, str):
+        try:
+            vals = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise InvalidArgumentError(f"{name}: expected comma-separated ints, got {text!r}") from None
+    else:
+        vals = list(text)
+    if not vals:
+        raise InvalidArgumentError(f"{name}: expected at least one value, got none")
+    vals = [check_int(name, v) for v in vals]
+    if len(set(vals)) != len(vals):
+        raise InvalidArgumentError(f"{name}: expected unique values, got {vals}")
+    return tuple(vals)
+
+
+# ----------------------------------------------------------------------------- model
+@dataclass
+class ModelSpec:
+    """Which model an experiment runs, and where."""
+
+    preset: str = "tiny"
+    path: Optional[str] = None  # a local HF Llama checkpoint directory (overrides the preset)
+    device: Optional[str] = None  # None: cuda if available, else cpu
+    seed: int = 0
+    threads: Optional[int] = None  # CPU intra-op threads; None: 1 (see configure_threads)
+
+    def __post_init__(self):
+        if self.path is None and self.preset not in MODEL_PRESETS:
+            raise InvalidArgumentError(f"model_preset: expected one of {sorted(MODEL_PRESETS)}, got {self.preset!r}")
+        if self.threads is not None:
+            check_int("threads", self.threads)
+
+    def resolved_device(self):
+        import torch
+
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise InvalidArgumentError(f"device: expected a torch device such as 'cpu' or 'cuda', got {self.device!r}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidArgumentError("device: expected an available device, got 'cuda' (no CUDA device here)")
+        return dev
+
+    def build(self):
+        """The :class:`~vtoken.engine.model.LlamaModel` (random weights from the preset, or the checkpoint)."""
+        from vtoken.engine.model import LlamaModel, ModelConfig
+
+        device = self.resolved_device()
+        configure_threads(device, self.threads)
+        if self.path is not None:
+            return LlamaModel.from_pretrained(self.path, device=device)
+        return LlamaModel(ModelConfig(**MODEL_PRESETS[self.preset], seed=self.seed), device=device)
+
+    def describe(self, model) -> str:
+        c = model.config
+        name = self.path if self.path is not None else f"{self.preset} preset"
+        return (f"{name} ({c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads, "
+                f"{c.dtype}) on {model.lm_head.weight.device}")
+
+
+def configure_threads(device, threads: Optional[int]) -> None:
+    """Set torch's CPU intra-op threads for a CPU run (default 1).
+
+    NOTE: the tiny preset's matmuls ([8, 64] x [64, 128]) are far too small to gain
+    from intra-op threads, and threads that wait on busy cores are ruinous:
+    one F.linear took 6,856 us with 2 threads vs 9.7 us with 1 on the loaded
+    2-core development machine (torch 2.13 CPU), which made a decode step 8x
+    slower end to end. ``--threads`` overrides it for larger models.
+    """
+    import torch
+
+    if getattr(device, "type", str(device)) == "cpu":
+        torch.set_num_threads(int(threads) if threads is not None else 1)
+
+
+def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list:
+    """``n`` random prompts of ``length`` token ids (int64), reproducible from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, length, dtype=np.int64) for _ in range(n)]
+
+
+def policy_config(name: str, evict_ratio: float, window: Optional[int] = None) -> dict:
+    """A policy's config: keep ``1 - evict_ratio`` of each request's tokens; ``window`` overrides its recent window."""
+    cfg: dict[str, Any] = {"budget": round(1.0 - evict_ratio, 9)}
+    if window is not None:
+        cfg["window"] = int(window)
+    return cfg
+
+
+def headroom_blocks(num_blocks: int) -> int:
+    """The vtoken headroom reserve of a pool of ``num_blocks`` (null block included), in blocks."""
+    from vtoken.reclaim import ReclaimConfig
+
+    return ReclaimConfig(**EAGER_RECLAIM).resolve(num_blocks - 1)[1]
+
+
+def full_blocks(prompt_len: int, output_len: int, block_size: int) -> int:
+    """Blocks one request holds with nothing evicted: the prompt and every output token but the last."""
+    return -(-(prompt_len + output_len - 1) // block_size)
+
+
+def fit_num_blocks(requests: int, per_request: int) -> int:
+    """The smallest pool (null block included) that holds ``requests x per_request`` blocks in every mode,
+    including vtoken's headroom reserve."""
+    need = requests * per_request
+    n = need + 1
+    while n - 1 - headroom_blocks(n) < need:
+        n += 1
+    return n
+
+
+# ----------------------------------------------------------------------------- paired runs
+@dataclass
+class ModeRun:
+    """One mode of a paired run, summarized from its :class:`~vtoken.engine.scheduler.Engine`."""
+
+    mode: str
+    outputs: list  # greedy tokens per request, in prompt order
+    summary: dict  # Engine.summary()
+    retained_blocks_per_request: float  # blocks held at finish, mean
+    utilization: float  # live tokens / (retained blocks * S) at finish
+    waste_ratio_mean: float  # pool F after each step, mean over steps with blocks allocated
+    ideal_blocks_per_request: float  # ceil(live / S) at finish, mean
+    peak_blocks: int  # most blocks the pool had allocated at once
+    peak_blocks_per_request: int  # most blocks one request held at once (max over requests)
+    usable_blocks: int  # what admission can use in this mode (vtoken: minus the headroom)
+    max_concurrency: int  # usable_blocks // peak_blocks_per_request
+    tokens_per_s: float
+    seconds: float
+    evicted_tokens: int
+    engine: Any = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("engine", "outputs", "summary")}
+        d["relocated_tokens"] = self.summary["relocated_tokens"]
+        d["reclaimed_blocks"] = self.summary["reclaimed_blocks"]
+        d["preemptions"] = self.summary["preemptions"]
+        return d
+
+
+def summarize_mode(eng, outputs: list, seconds: float) -> ModeRun:
+    """Read a finished engine into a :class:`ModeRun` (see its fields for the definitions)."""
+    fin = eng.finished
+    S = eng.config.block_size
+    retained = np.array([r.retained_blocks for r in fin], dtype=np.int64)
+    live = np.array([r.live_tokens for r in fin], dtype=np.int64)
+    f = [rec.waste_ratio for rec in eng.reclaimer.metrics.records if rec.allocated_blocks > 0]
+    peak_req = max(r.peak_blocks for r in fin)
+    s = eng.summary()
+    return ModeRun(
+        mode=eng.mode, outputs=outputs, summary=s,
+        retained_blocks_per_request=float(retained.mean()),
+        utilization=float(live.sum() / (retained.sum() * S)),
+        waste_ratio_mean=float(np.mean(f)) if f else 0.0,
+        ideal_blocks_per_request=float(np.mean(-(-live // S))),
+        peak_blocks=int(eng.peak_blocks), peak_blocks_per_request=int(peak_req),
+        usable_blocks=int(eng.usable_blocks), max_concurrency=int(eng.usable_blocks // peak_req),
+        tokens_per_s=float(s["tokens_per_s"]), seconds=float(seconds),
+        evicted_tokens=int(sum(st.evicted for st in eng.stats)), engine=eng,
+    )
+
+
+def paired_run(model, prompts: Sequence, output_len: int, *, modes: Sequence[str], policy: str,
+               policy_cfg: dict, engine_cfg: dict, progress: "Progress | None" = None) -> dict:
+    """Serve ``prompts`` in each of ``modes`` on one victim trace; returns ``{mode: ModeRun}``.
+
+    ``naive`` always runs (first): it runs ``policy`` live and records the
+    trace; ``vtoken`` replays it and the replay must consume every decision.
+    ``engine_cfg`` holds the :class:`~vtoken.engine.scheduler.EngineConfig`
+    fields shared by all modes. Every request must be resident at once
+    (``max_num_reqs``, ``max_num_tokens`` and ``num_blocks`` large enough), so
+    that no mode queues or preempts and all see the same batches.
+    """
+    from vtoken.engine.scheduler import Engine, EngineConfig
+    from vtoken.policies import ReplayPolicy
+
+    order = ["naive"] + [m for m in modes if m != "naive"]
+    runs, trace = {}, None
+    for mode in order:
+        if progress is not None:
+            progress.set_description(f"{mode} ({policy})")
+        if mode == "naive":
+            cfg = EngineConfig(mode=mode, policy=policy, policy_config=dict(policy_cfg), **engine_cfg)
+            eng = Engine(model, cfg, record_trace=True)
+        elif mode == "native":
+            eng = Engine(model, EngineConfig(mode=mode, **engine_cfg))
+        else:
+            replay = ReplayPolicy(trace)
+            eng = Engine(model, EngineConfig(mode=mode, **engine_cfg), policy=replay)
+        t0 = time.perf_counter()
+        out = eng.generate(prompts, output_len)
+        seconds = time.perf_counter() - t0
+        if mode == "naive":
+            trace = eng.trace
+        elif mode != "native":
+            replay.check_complete()
+        if eng.num_preemptions or eng.peak_running < len(prompts):
+            raise InvalidArgumentError(
+                f"num_blocks: expected a budget that holds all {len(prompts)} requests at once in mode {mode!r} "
+                f"(a paired run must not queue or preempt), got {eng.num_preemptions} preemptions and at most "
+                f"{eng.peak_running} requests running; raise --num-blocks"
+            )
+        runs[mode] = summarize_mode(eng, [list(r.output) for r in out], seconds)
+        if progress is not None:
+            progress.advance()
+    return {m: runs[m] for m in modes}
+
+
+def warm_up(model, engine_cfg: dict, prompt_len: int) -> None:
+    """One short native run so one-time costs (kernel and allocator warm-up) do not land in the first mode."""
+    from vtoken.engine.scheduler import Engine, EngineConfig
+
+    Engine(model, EngineConfig(mode="native", **engine_cfg)).generate(
+        make_prompts(1, min(prompt_len, 8), model.config.vocab_size, 12345), 2)
+
+
+# ----------------------------------------------------------------------------- CLI plumbing
+class Progress:
+    """A rich progress bar on stderr, or nothing (rich missing, or stderr not a terminal)."""
+
+    def __init__(self, total: int, description: str = "", *, enabled: Optional[bool] = None):
+        self._bar = None
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        if not enabled:
+            return
+        try:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn
+            from rich.progress import TimeElapsedColumn
+        except ImportError:
+            return
+        self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+        self._task = self._bar.add_task(description, total=total)
+
+    def __enter__(self) -> "Progress":
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+
+    def set_description(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=text)
+
+
+def require_matplotlib():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend, or :class:`MissingExtraError`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MissingExtraError(
+            "--plot: expected matplotlib to be installed, got none; install the bench extra: "
+            "pip install 'vtoken[bench]' (or pip install matplotlib)"
+        ) from None
+    return plt
+
+
+def add_model_args(p, *, device: bool = True) -> None:
+    """``--model-preset``, ``--model-path``, ``--device``, ``--threads``."""
+    p.add_argument("--model-preset", choices=sorted(MODEL_PRESETS), default="tiny",
+                   help="random-weight model size: tiny (CPU, default) or gpu (TinyLlama-1.1B shape, bf16)")
+    p.add_argument("--model-path", default=None,
+                   help="a local Hugging Face Llama checkpoint directory (config.json + *.safetensors) instead")
+    if device:
+        p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU intra-op threads (default 1: the tiny model's ops are too small to share)")
+
+
+def add_output_args(p) -> None:
+    """``--json`` and ``--plot``."""
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of the table")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="also write a figure (needs matplotlib: pip install 'vtoken[bench]')")
+
+
+def model_spec(args) -> ModelSpec:
+    return ModelSpec(preset=args.model_preset, path=args.model_path, device=getattr(args, "device", None),
+                     seed=args.seed, threads=args.threads)
+
+
+def emit(args, result: dict, text: str) -> None:
+    """Print the result: one JSON object (``--json``) or the table."""
+    if args.json:
+        print(json.dumps(_jsonable(result), allow_nan=False))
+    else:
+        print(text)
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        return None if not math.isfinite(float(x)) else float(x)
+    return x
+
+
+@contextlib.contextmanager
+def cli_errors(parser):
+    """Turn a vtoken input error raised while configuring into ``parser.error`` (exit 2, message on stderr)."""
+    try:
+        yield
+    except VTokenError as e:
+        parser.error(str(e))

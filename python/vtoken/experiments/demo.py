@@ -1,0 +1,182 @@
+"""``vtoken demo``: one paired Native / Naive-Evict / vToken run, end to end (the README's main job).
+
+The same ``requests`` random prompts are served in the three modes of
+ARCHITECTURE §6 by the embedded engine, all resident at once (no queuing, no
+preemption, so every mode sees the same batches). ``policy`` runs live in
+``naive`` mode and its victims are recorded; ``vtoken`` replays that trace,
+so both evict exactly the same tokens, and their greedy outputs must be
+identical token for token. Reclamation treats memory as always low (see
+:data:`vtoken.experiments.common.EAGER_RECLAIM`).
+
+Reported per mode (see :class:`vtoken.experiments.common.ModeRun`):
+
+- **retained/req**: blocks a request still holds when it finishes (mean);
+- **utilization**: live tokens / (retained blocks x S) at finish;
+- **F**: the pool's waste ratio ``1 - live / (allocated x S)`` after each
+  step, averaged over the run's steps;
+- **peak**: the most blocks the pool held at once, and **peak/req**, the most
+  one request held at once;
+- **tokens/s**: generated tokens over the run's step time (host wall-clock);
+- **max concurrency** at the demo budget: ``floor(B / peak/req)``, where ``B``
+  is what admission may use (``num_blocks - 1``; vtoken also keeps its
+  headroom reserve inside the same budget). Every request here runs in
+  lockstep (same lengths, same start), so N of them peak together and N fit
+  only if ``N x peak/req <= B``; queuing does not count as fitting.
+
+Example:
+    >>> from vtoken.experiments.common import ModelSpec
+    >>> from vtoken.experiments.demo import DemoConfig, run_demo
+    >>> res = run_demo(DemoConfig(requests=2, prompt_len=24, output_len=16, block_size=4, window=4,
+    ...                           num_blocks=40, model=ModelSpec(device="cpu")))
+    >>> res.outputs_identical, res.modes["vtoken"].retained_blocks_per_request < res.modes["naive"].retained_blocks_per_request
+    (True, True)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from vtoken.errors import InvalidArgumentError
+from vtoken.experiments.common import (
+    EAGER_RECLAIM,
+    ModelSpec,
+    ModeRun,
+    Progress,
+    check_int,
+    check_policy,
+    check_ratio,
+    full_blocks,
+    headroom_blocks,
+    make_prompts,
+    paired_run,
+    policy_config,
+    warm_up,
+)
+
+MODES = ("native", "naive", "vtoken")
+
+
+@dataclass
+class DemoConfig:
+    policy: str = "h2o"
+    evict_ratio: float = 0.5
+    window: Optional[int] = None  # the policy's recent window (None: its default)
+    requests: int = 8
+    prompt_len: int = 128
+    output_len: int = 256
+    block_size: int = 16
+    num_blocks: int = 256
+    theta_f: float = 0.25  # reclaim while the pool's F exceeds it (ReclaimConfig.theta_F's default)
+    seed: int = 0
+    model: ModelSpec = field(default_factory=ModelSpec)
+
+    def __post_init__(self):
+        check_policy(self.policy)
+        if isinstance(self.theta_f, bool) or not isinstance(self.theta_f, (int, float)) or not 0 <= self.theta_f < 1:
+            raise InvalidArgumentError(f"theta_f: expected a value in [0, 1), got {self.theta_f!r}")
+        check_ratio("evict_ratio", self.evict_ratio)
+        if self.window is not None:
+            check_int("window", self.window, minimum=0)
+        for name in ("requests", "prompt_len", "output_len", "block_size"):
+            check_int(name, getattr(self, name))
+        check_int("num_blocks", self.num_blocks, minimum=2)
+        check_int("seed", self.seed, minimum=0)
+        need = self.requests * full_blocks(self.prompt_len, self.output_len, self.block_size)
+        have = self.num_blocks - 1 - headroom_blocks(self.num_blocks)
+        if need > have:
+            raise InvalidArgumentError(
+                f"num_blocks: expected a budget that holds all {self.requests} requests unevicted "
+                f"({need} blocks + the null block + vtoken's headroom), got {self.num_blocks} ({have} usable in vtoken mode)"
+            )
+
+
+@dataclass
+class DemoResult:
+    config: DemoConfig
+    model: str
+    modes: dict  # mode -> ModeRun
+    outputs_identical: bool  # naive and vtoken greedy outputs, token for token
+    seconds: float
+
+    def to_dict(self) -> dict:
+        c = self.config
+        return {
+            "config": {"policy": c.policy, "evict_ratio": c.evict_ratio, "window": c.window, "requests": c.requests,
+                       "prompt_len": c.prompt_len, "output_len": c.output_len, "block_size": c.block_size,
+                       "num_blocks": c.num_blocks, "theta_f": c.theta_f, "seed": c.seed},
+            "model": self.model,
+            "modes": {m: r.to_dict() for m, r in self.modes.items()},
+            "outputs_identical": self.outputs_identical,
+            "seconds": self.seconds,
+        }
+
+
+def run_demo(cfg: DemoConfig, *, progress: Optional[Progress] = None) -> DemoResult:
+    import time
+
+    t0 = time.perf_counter()
+    model = cfg.model.build()
+    prompts = make_prompts(cfg.requests, cfg.prompt_len, model.config.vocab_size, cfg.seed)
+    engine_cfg = dict(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_num_reqs=cfg.requests,
+                      max_num_tokens=max(cfg.requests * cfg.prompt_len, cfg.prompt_len + cfg.output_len),
+                      reclaim=dict(EAGER_RECLAIM, theta_F=float(cfg.theta_f)))
+    warm_up(model, engine_cfg, cfg.prompt_len)
+    runs = paired_run(model, prompts, cfg.output_len, modes=MODES, policy=cfg.policy,
+                      policy_cfg=policy_config(cfg.policy, cfg.evict_ratio, cfg.window),
+                      engine_cfg=engine_cfg, progress=progress)
+    same = runs["naive"].outputs == runs["vtoken"].outputs
+    return DemoResult(cfg, cfg.model.describe(model), runs, same, time.perf_counter() - t0)
+
+
+def format_demo(res: DemoResult) -> str:
+    c = res.config
+    lines = [
+        f"vtoken demo: {c.requests} requests x ({c.prompt_len} prompt + {c.output_len} output) tokens, "
+        f"block size {c.block_size}, budget {c.num_blocks - 1} blocks, policy {c.policy} "
+        f"(evict {100 * c.evict_ratio:g}%, one recorded victim trace)",
+        f"model: {res.model}",
+        "",
+        f"{'mode':<8} {'retained/req':>12} {'utilization':>11} {'F':>6} {'peak':>6} {'peak/req':>8} "
+        f"{'tokens/s':>9} {'max concurrency':>15}",
+    ]
+    for m, r in res.modes.items():
+        lines.append(
+            f"{m:<8} {r.retained_blocks_per_request:>12.1f} {100 * r.utilization:>10.1f}% {r.waste_ratio_mean:>6.3f} "
+            f"{r.peak_blocks:>6d} {r.peak_blocks_per_request:>8d} {r.tokens_per_s:>9.0f} {r.max_concurrency:>15d}"
+        )
+    vt = res.modes["vtoken"]
+    n_tok = sum(len(o) for o in vt.outputs)
+    verdict = "IDENTICAL" if res.outputs_identical else "DIFFERENT (a bug: please report it)"
+    lines += [
+        "",
+        f"greedy outputs, naive vs vtoken: {verdict} ({c.requests} requests, {n_tok} tokens; "
+        f"{res.modes['naive'].evicted_tokens} tokens evicted in each, {vt.summary['relocated_tokens']} relocated "
+        f"and {vt.summary['reclaimed_blocks']} blocks reclaimed by vtoken)",
+        "retained/req: blocks held at finish; utilization: live / (retained x S); F: pool waste ratio, mean over steps;",
+        "max concurrency: floor(budget / peak/req), lockstep requests all resident (vtoken's headroom counts "
+        f"inside the budget: {res.modes['vtoken'].usable_blocks} usable)",
+        f"total {res.seconds:.1f} s",
+    ]
+    return "\n".join(lines)
+
+
+def plot_demo(res: DemoResult, path: str, plt) -> None:
+    modes = list(res.modes)
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    panels = [
+        ("blocks retained per request", [res.modes[m].retained_blocks_per_request for m in modes]),
+        ("utilization at finish (%)", [100 * res.modes[m].utilization for m in modes]),
+        (f"max concurrency at {res.config.num_blocks - 1} blocks", [res.modes[m].max_concurrency for m in modes]),
+    ]
+    colors = ["#888888", "#d9822b", "#2b7bd9"]
+    for ax, (title, vals) in zip(axes, panels):
+        ax.bar(modes, vals, color=colors[: len(modes)])
+        ax.set_title(title, fontsize=10)
+        for i, v in enumerate(vals):
+            ax.annotate(f"{v:.1f}" if isinstance(v, float) else str(v), (i, v), ha="center", va="bottom", fontsize=8)
+    c = res.config
+    fig.suptitle(f"vtoken demo: {c.policy}, evict {100 * c.evict_ratio:g}%, {c.requests} x "
+                 f"({c.prompt_len}+{c.output_len}) tokens, S={c.block_size}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
