@@ -72,7 +72,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--policy", choices=available(), default=d.policy, help="eviction policy (default %(default)s)")
     p.add_argument("--evict-ratio", type=float, default=d.evict_ratio,
                    help="fraction of each request's tokens the policy evicts (default %(default)s)")
-    p.add_argument("--window", type=int, default=None, help="the policy's protected recent window (default: its own)")
+    p.add_argument("--window", type=int, default=None, help="the policy's protected recent window (default: its own, at most 32)")
     p.add_argument("--requests", type=int, default=d.requests, help="requests, all resident at once (default %(default)s)")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens (default %(default)s)")
     p.add_argument("--output-len", type=int, default=d.output_len, help="generated tokens (default %(default)s)")
@@ -105,7 +105,51 @@ def _run_demo(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [_add_fragmentation, _add_demo]
+def _add_retained(sub) -> None:
+    from vtoken.experiments.common import add_model_args, add_output_args
+    from vtoken.experiments.retained import RetainedConfig
+
+    d = RetainedConfig()
+    p = sub.add_parser(
+        "retained",
+        help="blocks retained per request and utilization per policy, naive vs vtoken (Figure 7)",
+        description="For each policy, serve the same requests in naive mode (policy live, victims recorded) and "
+        "vtoken mode (trace replayed) and report blocks retained per request, utilization and the packed bound.",
+    )
+    p.add_argument("--policies", default=",".join(d.policies),
+                   help="comma-separated policies (default: all: %(default)s)")
+    p.add_argument("--evict-ratio", type=float, default=d.evict_ratio,
+                   help="fraction of each request's tokens evicted (default %(default)s)")
+    p.add_argument("--window", type=int, default=None, help="every policy's protected recent window (default: its own, at most 32)")
+    p.add_argument("--requests", type=int, default=d.requests, help="requests (default %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens (default %(default)s)")
+    p.add_argument("--output-len", type=int, default=d.output_len, help="generated tokens (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="prompts and model weights seed (default %(default)s)")
+    add_model_args(p)
+    add_output_args(p)
+    p.set_defaults(func=_run_retained, parser=p)
+
+
+def _run_retained(args) -> int:
+    from vtoken.experiments import common
+    from vtoken.experiments.retained import RetainedConfig, format_retained, plot_retained, run_retained
+
+    with common.cli_errors(args.parser):
+        plt = common.require_matplotlib() if args.plot else None
+        cfg = RetainedConfig(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
+                             evict_ratio=args.evict_ratio, window=args.window, requests=args.requests,
+                             prompt_len=args.prompt_len, output_len=args.output_len, block_size=args.block_size,
+                             seed=args.seed, model=common.model_spec(args))
+        with common.Progress(2 * len(cfg.policies), "retained") as progress:
+            res = run_retained(cfg, progress=progress)
+    if plt is not None:
+        plot_retained(res, args.plot, plt)
+    common.emit(args, res.to_dict(), format_retained(res))
+    return 0
+
+
+SUBCOMMANDS = [_add_fragmentation, _add_demo, _add_retained]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -153,12 +153,24 @@ def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list:
     return [rng.integers(0, vocab_size, length, dtype=np.int64) for _ in range(n)]
 
 
+MAX_DEFAULT_WINDOW = 32
+
+
 def policy_config(name: str, evict_ratio: float, window: Optional[int] = None) -> dict:
-    """A policy's config: keep ``1 - evict_ratio`` of each request's tokens; ``window`` overrides its recent window."""
-    cfg: dict[str, Any] = {"budget": round(1.0 - evict_ratio, 9)}
-    if window is not None:
-        cfg["window"] = int(window)
-    return cfg
+    """A policy's config: keep ``1 - evict_ratio`` of each request's tokens (a budget ratio).
+
+    ``window`` sets the protected recent window; ``None`` keeps the policy's
+    default capped at :data:`MAX_DEFAULT_WINDOW` tokens (StreamingLLM's default
+    1020-token window would protect every token of these short requests).
+    """
+    import dataclasses
+
+    from vtoken.policies import get
+
+    if window is None:
+        default = next(f.default for f in dataclasses.fields(type(get(name))) if f.name == "window")
+        window = min(int(default), MAX_DEFAULT_WINDOW)
+    return {"budget": round(1.0 - evict_ratio, 9), "window": int(window)}
 
 
 def headroom_blocks(num_blocks: int) -> int:

@@ -60,7 +60,7 @@ MODES = ("native", "naive", "vtoken")
 class DemoConfig:
     policy: str = "h2o"
     evict_ratio: float = 0.5
-    window: Optional[int] = None  # the policy's recent window (None: its default)
+    window: Optional[int] = None  # the policy's recent window (None: its default, at most 32)
     requests: int = 8
     prompt_len: int = 128
     output_len: int = 256
