@@ -149,7 +149,62 @@ def _run_retained(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [_add_fragmentation, _add_demo, _add_retained]
+def _add_sla(sub) -> None:
+    from vtoken.experiments.common import add_model_args, add_output_args
+    from vtoken.experiments.sla import SlaConfig
+    from vtoken.policies import available
+
+    d = SlaConfig()
+    p = sub.add_parser(
+        "sla",
+        help="closed-loop concurrency sweep: throughput and p95 per-token latency per mode (Figure 8)",
+        description="Serve rounds x C requests closed-loop at each concurrency C under a fixed block budget in "
+        "native, naive and vtoken modes; report throughput and p95 per-token latency, and each mode's best "
+        "throughput whose p95 stays within sla-factor x naive's p95 at C = sla-concurrency.",
+    )
+    p.add_argument("--policy", choices=available(), default=d.policy, help="eviction policy (default %(default)s)")
+    p.add_argument("--evict-ratio", type=float, default=d.evict_ratio,
+                   help="fraction of each request's tokens evicted (default %(default)s)")
+    p.add_argument("--window", type=int, default=None,
+                   help="the policy's protected recent window (default: its own, at most 32)")
+    p.add_argument("--concurrency", default=",".join(map(str, d.concurrency)),
+                   help="comma-separated concurrencies to sweep (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="requests per point = rounds x C (default %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens (default %(default)s)")
+    p.add_argument("--output-len", type=int, default=d.output_len, help="generated tokens (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default %(default)s)")
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks,
+                   help="KV blocks in the pool, the null block included (default %(default)s)")
+    p.add_argument("--sla-concurrency", type=int, default=d.sla_concurrency,
+                   help="the SLA is set by naive's p95 at this concurrency (default %(default)s)")
+    p.add_argument("--sla-factor", type=float, default=d.sla_factor,
+                   help="SLA = this x naive's p95 per-token latency (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="prompts and model weights seed (default %(default)s)")
+    add_model_args(p)
+    add_output_args(p)
+    p.set_defaults(func=_run_sla, parser=p)
+
+
+def _run_sla(args) -> int:
+    from vtoken.experiments import common
+    from vtoken.experiments.sla import MODES, SlaConfig, format_sla, plot_sla, run_sla
+
+    with common.cli_errors(args.parser):
+        plt = common.require_matplotlib() if args.plot else None
+        cfg = SlaConfig(policy=args.policy, evict_ratio=args.evict_ratio, window=args.window,
+                        concurrency=args.concurrency, rounds=args.rounds, prompt_len=args.prompt_len,
+                        output_len=args.output_len, block_size=args.block_size, num_blocks=args.num_blocks,
+                        sla_concurrency=args.sla_concurrency, sla_factor=args.sla_factor, seed=args.seed,
+                        model=common.model_spec(args))
+        with common.Progress(len(MODES) * len(cfg.concurrency), "sla") as progress:
+            res = run_sla(cfg, progress=progress)
+    if plt is not None:
+        plot_sla(res, args.plot, plt)
+    common.emit(args, res.to_dict(), format_sla(res))
+    return 0
+
+
+SUBCOMMANDS = [_add_fragmentation, _add_demo, _add_retained, _add_sla]
 
 
 def build_parser() -> argparse.ArgumentParser:

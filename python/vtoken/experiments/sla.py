@@ -1,0 +1,270 @@
+"""``vtoken sla``: the paper's Figure 8, throughput under a latency SLA, closed loop.
+
+For each mode and each concurrency C, the embedded engine serves
+``rounds x C`` requests closed-loop: C are submitted, and each completion
+submits the next (``Engine.generate(..., concurrency=C)``), under a fixed block
+budget. Admission, backpressure and preemption by recompute are the engine's
+own, so a mode that runs out of blocks queues or recomputes, and pays for it
+in latency.
+
+Measured per point (host wall-clock):
+
+- **throughput**: generated tokens / wall time of the run;
+- **p95 per-token latency**: the 95th percentile, over every generated token
+  but each request's first, of the time since the same request's previous
+  token (inter-token latency; a preempted request's recompute stall lands in
+  the token after it). The first token's latency (TTFT) is reported apart.
+
+The SLA is ``sla_factor x`` naive's p95 at ``sla_concurrency`` (1.05 x at
+C=8 by default); each mode's score is its best throughput over the sweep
+among the points whose p95 meets the SLA (``None`` if none does).
+
+The policy runs live in each evicting mode (no trace replay): preemption by
+recompute re-prefills a request and changes what the policy is asked, so the
+modes cannot share one trace here. Reclamation uses :class:`ReclaimConfig`'s
+defaults (reclaim when free blocks fall under 10% of the pool), as a server
+would. Numbers are measurements of this machine, not a model.
+
+Example:
+    >>> from vtoken.experiments.common import ModelSpec
+    >>> from vtoken.experiments.sla import SlaConfig, run_sla
+    >>> res = run_sla(SlaConfig(concurrency=(1, 2), sla_concurrency=2, rounds=1, prompt_len=16, output_len=8,
+    ...                         block_size=4, num_blocks=24, window=4, model=ModelSpec(device="cpu")))
+    >>> sorted(res.best), res.sla_s > 0
+    (['naive', 'native', 'vtoken'], True)
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from vtoken.errors import InvalidArgumentError
+from vtoken.experiments.common import (
+    ModelSpec,
+    Progress,
+    check_int,
+    check_policy,
+    check_ratio,
+    make_prompts,
+    parse_int_list,
+    policy_config,
+    warm_up,
+)
+
+MODES = ("native", "naive", "vtoken")
+
+
+@dataclass
+class SlaConfig:
+    policy: str = "h2o"
+    evict_ratio: float = 0.5
+    window: Optional[int] = None  # the policy's recent window (None: its default, at most 32)
+    concurrency: tuple = (1, 2, 4, 8, 16)
+    rounds: int = 2  # requests per point = rounds x C
+    prompt_len: int = 64
+    output_len: int = 128
+    block_size: int = 16
+    num_blocks: int = 128
+    sla_concurrency: int = 8
+    sla_factor: float = 1.05
+    seed: int = 0
+    model: ModelSpec = field(default_factory=ModelSpec)
+
+    def __post_init__(self):
+        check_policy(self.policy)
+        check_ratio("evict_ratio", self.evict_ratio)
+        if self.window is not None:
+            check_int("window", self.window, minimum=0)
+        self.concurrency = parse_int_list("concurrency", self.concurrency)
+        for name in ("rounds", "prompt_len", "output_len", "block_size", "sla_concurrency"):
+            check_int(name, getattr(self, name))
+        check_int("num_blocks", self.num_blocks, minimum=2)
+        check_int("seed", self.seed, minimum=0)
+        if self.sla_concurrency not in self.concurrency:
+            raise InvalidArgumentError(
+                f"sla_concurrency: expected one of the swept concurrencies {list(self.concurrency)}, "
+                f"got {self.sla_concurrency}"
+            )
+        if isinstance(self.sla_factor, bool) or not isinstance(self.sla_factor, (int, float)) or self.sla_factor <= 0:
+            raise InvalidArgumentError(f"sla_factor: expected a number > 0, got {self.sla_factor!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def timed_engine_class():
+    """An :class:`~vtoken.engine.scheduler.Engine` subclass that timestamps every generated token.
+
+    (Built on first use so that importing this module, which the CLI does to
+    build its parser, does not import torch.)
+    """
+    from vtoken.engine.scheduler import Engine
+
+    class TimedEngine(Engine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.token_gaps: list = []  # inter-token latencies (s)
+            self.ttfts: list = []  # first-token latencies (s), from submission
+            self._last: dict = {}  # request id -> (tokens seen, time of the last one)
+
+        def step(self):
+            done = super().step()
+            now = time.perf_counter()  # host clock after the step: its tokens are on the host by now
+            for r in itertools.chain(self.running, done):
+                n = len(r.output)
+                prev = self._last.get(r.request_id)
+                if prev is None:
+                    if n:
+                        self.ttfts.append(now - r.arrival_time)
+                        self._last[r.request_id] = (n, now)
+                elif n > prev[0]:
+                    self.token_gaps.append(now - prev[1])
+                    self._last[r.request_id] = (n, now)
+            return done
+
+    return TimedEngine
+
+
+@dataclass
+class SlaResult:
+    config: SlaConfig
+    model: str
+    points: dict  # mode -> list of per-concurrency dicts
+    sla_s: float  # the p95 per-token latency bound
+    best: dict  # mode -> {"concurrency", "throughput_tok_s", "p95_token_latency_s"} or None
+    seconds: float
+
+    def to_dict(self) -> dict:
+        c = self.config
+        nv = self.best.get("naive")
+        vt = self.best.get("vtoken")
+        return {
+            "config": {"policy": c.policy, "evict_ratio": c.evict_ratio, "window": c.window,
+                       "concurrency": list(c.concurrency), "rounds": c.rounds, "prompt_len": c.prompt_len,
+                       "output_len": c.output_len, "block_size": c.block_size, "num_blocks": c.num_blocks,
+                       "sla_concurrency": c.sla_concurrency, "sla_factor": c.sla_factor, "seed": c.seed},
+            "model": self.model,
+            "points": self.points,
+            "sla_p95_token_latency_s": self.sla_s,
+            "best_under_sla": self.best,
+            "vtoken_over_naive": (vt["throughput_tok_s"] / nv["throughput_tok_s"]) if nv and vt else None,
+            "seconds": self.seconds,
+        }
+
+
+def _point(model, mode: str, cfg: SlaConfig, C: int) -> dict:
+    from vtoken.engine.scheduler import EngineConfig
+
+    n = cfg.rounds * C
+    prompts = make_prompts(n, cfg.prompt_len, model.config.vocab_size, cfg.seed)
+    ecfg = EngineConfig(mode=mode, num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_num_reqs=C,
+                        max_num_tokens=max(C * cfg.prompt_len, cfg.prompt_len + cfg.output_len),
+                        policy=None if mode == "native" else cfg.policy,
+                        policy_config={} if mode == "native" else policy_config(cfg.policy, cfg.evict_ratio,
+                                                                                cfg.window))
+    eng = timed_engine_class()(model, ecfg)
+    if eng.runner.use_graph:
+        eng.runner.capture_graphs()  # capture is set-up, not serving time
+    t0 = time.perf_counter()
+    out = eng.generate(prompts, cfg.output_len, concurrency=C)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.output) for r in out)
+    s = eng.summary()
+    gaps = np.asarray(eng.token_gaps)
+    return {
+        "concurrency": C,
+        "requests": n,
+        "generated_tokens": tokens,
+        "seconds": wall,
+        "throughput_tok_s": tokens / wall,
+        "p95_token_latency_s": float(np.percentile(gaps, 95)) if gaps.size else None,
+        "mean_token_latency_s": float(gaps.mean()) if gaps.size else None,
+        "p95_ttft_s": float(np.percentile(eng.ttfts, 95)),
+        "preemptions": s["preemptions"],
+        "peak_running": s["peak_running"],
+        "peak_blocks": s["peak_blocks"],
+        "relocated_tokens": s["relocated_tokens"],
+        "reclaimed_blocks": s["reclaimed_blocks"],
+        "backpressure_steps": s["backpressure_steps"],
+    }
+
+
+def run_sla(cfg: SlaConfig, *, progress: Optional[Progress] = None) -> SlaResult:
+    t0 = time.perf_counter()
+    model = cfg.model.build()
+    warm_up(model, dict(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
+                        max_num_tokens=cfg.prompt_len + cfg.output_len), cfg.prompt_len)
+    points = {m: [] for m in MODES}
+    # NOTE: the modes alternate at each C, so that a drift in machine load hits all of them alike.
+    for C in cfg.concurrency:
+        for mode in MODES:
+            if progress is not None:
+                progress.set_description(f"{mode} C={C}")
+            points[mode].append(_point(model, mode, cfg, C))
+            if progress is not None:
+                progress.advance()
+    ref = next(p for p in points["naive"] if p["concurrency"] == cfg.sla_concurrency)
+    if ref["p95_token_latency_s"] is None:
+        raise InvalidArgumentError("output_len: expected >= 2 (per-token latency needs a second token), got 1")
+    sla = cfg.sla_factor * ref["p95_token_latency_s"]
+    best = {}
+    for mode in MODES:
+        ok = [p for p in points[mode] if p["p95_token_latency_s"] is not None and p["p95_token_latency_s"] <= sla]
+        b = max(ok, key=lambda p: p["throughput_tok_s"]) if ok else None
+        best[mode] = None if b is None else {k: b[k] for k in ("concurrency", "throughput_tok_s",
+                                                               "p95_token_latency_s")}
+    return SlaResult(cfg, cfg.model.describe(model), {m: points[m] for m in MODES}, sla, best,
+                     time.perf_counter() - t0)
+
+
+def format_sla(res: SlaResult) -> str:
+    c = res.config
+    lines = [
+        f"vtoken sla (Fig. 8): closed loop, {c.rounds} x C requests of ({c.prompt_len} prompt + {c.output_len} output) "
+        f"tokens, budget {c.num_blocks - 1} blocks of {c.block_size}, policy {c.policy} (evict {100 * c.evict_ratio:g}%)",
+        f"model: {res.model}",
+        "",
+        f"{'mode':<8} {'C':>3} {'tokens/s':>9} {'p95 ms/token':>12} {'p95 TTFT ms':>11} {'preempted':>9} "
+        f"{'peak blocks':>11} {'SLA':>4}",
+    ]
+    for mode, pts in res.points.items():
+        for p in pts:
+            ok = p["p95_token_latency_s"] is not None and p["p95_token_latency_s"] <= res.sla_s
+            lines.append(
+                f"{mode:<8} {p['concurrency']:>3d} {p['throughput_tok_s']:>9.0f} "
+                f"{1e3 * (p['p95_token_latency_s'] or float('nan')):>12.2f} {1e3 * p['p95_ttft_s']:>11.1f} "
+                f"{p['preemptions']:>9d} {p['peak_blocks']:>11d} {'ok' if ok else '-':>4}"
+            )
+    lines += ["", f"SLA: p95 per-token latency <= {c.sla_factor:g} x naive's at C={c.sla_concurrency} "
+                  f"= {1e3 * res.sla_s:.2f} ms"]
+    for mode, b in res.best.items():
+        lines.append(f"  best under SLA, {mode:<7}: " + (
+            "none" if b is None else f"{b['throughput_tok_s']:.0f} tokens/s at C={b['concurrency']}"))
+    d = res.to_dict()
+    if d["vtoken_over_naive"] is not None:
+        lines.append(f"  vtoken / naive: {d['vtoken_over_naive']:.2f}x")
+    lines.append(f"total {res.seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def plot_sla(res: SlaResult, path: str, plt) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    colors = {"native": "#888888", "naive": "#d9822b", "vtoken": "#2b7bd9"}
+    for mode, pts in res.points.items():
+        pts = [p for p in pts if p["p95_token_latency_s"] is not None]
+        ax.plot([1e3 * p["p95_token_latency_s"] for p in pts], [p["throughput_tok_s"] for p in pts], "o-",
+                label=mode, color=colors.get(mode))
+        for p in pts:
+            ax.annotate(f"C={p['concurrency']}", (1e3 * p["p95_token_latency_s"], p["throughput_tok_s"]),
+                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.axvline(1e3 * res.sla_s, color="red", linestyle="--", label="SLA")
+    ax.set_xlabel("p95 per-token latency (ms)")
+    ax.set_ylabel("throughput (tokens/s)")
+    ax.set_title("Fig. 8: throughput vs p95 latency, closed loop", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
