@@ -204,7 +204,57 @@ def _run_sla(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [_add_fragmentation, _add_demo, _add_retained, _add_sla]
+def _add_prefix(sub) -> None:
+    from vtoken.experiments.common import add_model_args, add_output_args
+    from vtoken.experiments.prefix import PrefixConfig
+    from vtoken.policies import available
+
+    d = PrefixConfig()
+    p = sub.add_parser(
+        "prefix",
+        help="reclamation next to prefix sharing, by sharing degree (Table 1)",
+        description="Groups of requests share a prefix (TokenTable.add_request(prefix_blocks=...)) and each has a "
+        "private suffix; report, per sharing degree, the shared blocks reclamation skips (must be 100%%), the "
+        "suffix blocks it reclaims, and the blocks retained vs naive on one recorded victim trace.",
+    )
+    p.add_argument("--degrees", default=",".join(map(str, d.degrees)),
+                   help="comma-separated sharing degrees, each dividing --requests (default %(default)s)")
+    p.add_argument("--requests", type=int, default=d.requests, help="requests (default %(default)s)")
+    p.add_argument("--prefix-len", type=int, default=d.prefix_len,
+                   help="shared prefix tokens, a multiple of --block-size (default %(default)s)")
+    p.add_argument("--suffix-len", type=int, default=d.suffix_len, help="private suffix tokens (default %(default)s)")
+    p.add_argument("--output-len", type=int, default=d.output_len, help="generated tokens (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default %(default)s)")
+    p.add_argument("--policy", choices=available(), default=d.policy, help="eviction policy (default %(default)s)")
+    p.add_argument("--evict-ratio", type=float, default=d.evict_ratio,
+                   help="fraction of each request's tokens evicted (default %(default)s)")
+    p.add_argument("--window", type=int, default=None,
+                   help="the policy's protected recent window (default: its own, at most 32)")
+    p.add_argument("--seed", type=int, default=d.seed, help="prompts and model weights seed (default %(default)s)")
+    add_model_args(p)
+    add_output_args(p)
+    p.set_defaults(func=_run_prefix, parser=p)
+
+
+def _run_prefix(args) -> int:
+    from vtoken.experiments import common
+    from vtoken.experiments.prefix import PrefixConfig, format_prefix, plot_prefix, run_prefix
+
+    with common.cli_errors(args.parser):
+        plt = common.require_matplotlib() if args.plot else None
+        cfg = PrefixConfig(degrees=args.degrees, requests=args.requests, prefix_len=args.prefix_len,
+                           suffix_len=args.suffix_len, output_len=args.output_len, block_size=args.block_size,
+                           policy=args.policy, evict_ratio=args.evict_ratio, window=args.window, seed=args.seed,
+                           model=common.model_spec(args))
+        with common.Progress(len(cfg.degrees), "prefix") as progress:
+            res = run_prefix(cfg, progress=progress)
+    if plt is not None:
+        plot_prefix(res, args.plot, plt)
+    common.emit(args, res.to_dict(), format_prefix(res))
+    return 0
+
+
+SUBCOMMANDS = [_add_fragmentation, _add_demo, _add_retained, _add_sla, _add_prefix]
 
 
 def build_parser() -> argparse.ArgumentParser:
