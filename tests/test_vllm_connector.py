@@ -381,6 +381,23 @@ def test_preemption_drops_the_request_and_its_blocks(model_dir):
     side.ledger.check_conservation()
 
 
+def test_request_preempted_then_aborted_before_the_next_step_frees_nothing_twice(model_dir):
+    from vllm.v1.request import RequestStatus
+
+    sched, fw = setup(model_dir, "naive", n=3, max_tokens=32)
+    side = side_of(sched)
+    fw.step()
+    fw.step()
+    assert sched.reset_prefix_cache(reset_running_requests=True)  # preempts every running request
+    assert not side.stm.req_to_blocks and "r0" in side.table  # vLLM freed the blocks; vtoken not told yet
+    sched.finish_requests("r0", RequestStatus.FINISHED_ABORTED)  # request_finished before any build_meta
+    assert "r0" not in side.table
+    assert side.pool.get_num_free_blocks() == side.pool.num_gpu_blocks - 1  # nothing freed twice
+    fw.run()
+    assert side.table.requests() == [] and side.pool.get_num_free_blocks() == side.pool.num_gpu_blocks - 1
+    side.ledger.check_conservation()
+
+
 # --------------------------------------------------------------------------- worker side pieces
 def test_worker_metadata_aggregates_by_summing():
     from vtoken.integrations.vllm.meta import VTokenWorkerMetadata

@@ -9,7 +9,10 @@ run keeps the runs independent. All runs are greedy, on token-id prompts.
   holds fewer blocks (read from vLLM's BlockPool), and eviction really changes
   the outputs (the attention reads only live tokens);
 - (c) a long run with many requests, admission pressure and preemptions
-  leaks no block: the pool is full again at the end.
+  leaks no block: the pool is full again at the end;
+- (d) tensor parallel 2 (two CPU workers over gloo) gives the tokens, the
+  evictions and the relocations of tensor parallel 1: the ranks' attention
+  scores are summed, every rank copies its own KV heads.
 
 Skipped when vllm is not installed (``.ci/vllm_tests.sh`` installs it).
 """
@@ -33,8 +36,9 @@ H2O = {"policy": "h2o", "policy_config": {"budget": 0.5, "window": 8, "sink": 0}
 RECLAIM = {"low_watermark": 1.0, "check_interval": 1, "headroom_blocks": 4, "theta_F": 0.1}
 
 
-def run_vllm(cfg: dict) -> dict:
+def run_vllm(cfg: dict, **extra_env) -> dict:
     env = dict(os.environ)
+    env.update(extra_env)
     # The CPU build has no Triton backend: inside vLLM, vtoken's ops use the
     # C++ CPU ops / torch references, not the Triton interpreter the unit tests use.
     env.pop("TRITON_INTERPRET", None)
@@ -108,4 +112,22 @@ def test_c_long_run_with_many_requests_leaks_no_block(model_dir):
     assert r["table_requests_end"] == 0
     # Every block is back: vLLM's free queue plus vtoken's stash, then the stash too.
     assert r["free_blocks_end"] + r["headroom_held_end"] == r["num_gpu_blocks"] - 1
+    assert r["free_blocks_after_shutdown"] == r["num_gpu_blocks"] - 1
+
+
+@pytest.mark.slow
+def test_d_tensor_parallel_2_matches_tensor_parallel_1(model_dir, runs):
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"tensor parallel 2 needs 2 CPUs for its 2 workers, this process may use {len(cpus)}")
+    cfg = {"model_dir": model_dir, "make_model": False, **PROMPTS, "block_size": 16, "mode": "vtoken", **H2O,
+           "reclaim": RECLAIM, "tp": 2}
+    # One core per worker (vLLM's automatic binding wants one NUMA node per worker).
+    r = run_vllm(cfg, VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}")
+    print("\nvLLM e2e TP=2:", json.dumps({"stats": r["stats"], "times": r["times"]}))
+    tp1 = runs["vtoken"]
+    assert r["tp"] == 2
+    assert r["outputs"] == tp1["outputs"]
+    for k in ("evicted_tokens", "relocations", "reclaimed_blocks", "peak_blocks_held", "sum_blocks_held"):
+        assert r["stats"][k] == tp1["stats"][k], k
     assert r["free_blocks_after_shutdown"] == r["num_gpu_blocks"] - 1

@@ -84,6 +84,8 @@ def run(cfg: dict) -> dict:
         num_gpu_blocks_override=cfg.get("num_blocks", 256), kv_cache_memory_bytes=64 << 20,
         enable_prefix_caching=cfg.get("prefix_caching", True),
     )
+    if cfg.get("tp", 1) > 1:
+        kw.update(tensor_parallel_size=cfg["tp"], distributed_executor_backend="mp")
     if cfg.get("mode") is not None:
         extra = {"mode": cfg["mode"], "check_invariants": cfg.get("check_invariants", True)}
         for k in ("policy", "policy_config", "reclaim"):
@@ -108,6 +110,7 @@ def run(cfg: dict) -> dict:
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "backend": core.model_executor.driver_worker.worker.model_runner.attn_groups[0][0].backend.__name__
         if hasattr(core.model_executor, "driver_worker") else None,
+        "tp": cfg.get("tp", 1),
         "stats": conn.stats() if conn is not None else {},
         "num_gpu_blocks": int(pool.num_gpu_blocks),
         "free_blocks_end": int(pool.get_num_free_blocks()),

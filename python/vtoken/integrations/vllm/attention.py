@@ -63,15 +63,17 @@ CONNECTOR_NAME = "VTokenConnector"
 # The plugin wraps GPUModelRunner._build_attention_metadata / _dummy_run
 # (docs/vllm.md) to publish the persistent batch's order here.
 _BATCH = threading.local()
+UNPUBLISHED = object()  # no runner hook around this build: the batch order is unknown
 
 
-def publish_batch(req_ids: Optional[list]) -> None:
+def publish_batch(req_ids) -> None:
     """Set the request ids of the rows of the attention metadata being built (None: a dummy run)."""
     _BATCH.req_ids = req_ids
 
 
-def published_batch() -> Optional[list]:
-    return getattr(_BATCH, "req_ids", None)
+def published_batch():
+    """The published request ids, None for a dummy run, or :data:`UNPUBLISHED`."""
+    return getattr(_BATCH, "req_ids", UNPUBLISHED)
 
 
 # --------------------------------------------------------------------------- backend
@@ -130,7 +132,13 @@ class VTokenAttentionMetadataBuilder(AttentionMetadataBuilder[VTokenAttentionMet
         q_indptr = cm.query_start_loc[: cm.num_reqs + 1]
         worker = worker_mod.current()
         req_ids = published_batch()
-        if worker is None or not worker.ready or not req_ids:
+        if req_ids is UNPUBLISHED and worker is not None and worker.ready:
+            raise InvariantViolation(
+                "vtoken attention: the batch order was not published (the plugin's hook on "
+                "GPUModelRunner._build_attention_metadata did not run); is vtoken's plugin loaded and the V1 "
+                "model runner in use?"
+            )
+        if worker is None or not worker.ready or not req_ids or req_ids is UNPUBLISHED:
             # Profiling / warm-up run (no connector yet, or a dummy batch): no KV to read.
             return VTokenAttentionMetadata(cm.num_actual_tokens, cm.num_reqs, q_indptr, None, None)
         qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].numpy().astype(np.int64)

@@ -41,6 +41,22 @@ class VTokenConnector(KVConnectorBase_V1):
                 "async_scheduling: expected False with the vtoken connector (the scheduler commits relocations "
                 "and evictions between steps), got True"
             )
+        if self.vtoken_config.evicts:
+            from vllm.platforms import current_platform
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+            # NOTE: on CPU the plugin routes CPU_ATTN to vtoken's backend. Elsewhere a
+            # block-table backend would attend dead tokens and read freed blocks.
+            if not current_platform.is_cpu() and vllm_config.attention_config.backend != AttentionBackendEnum.CUSTOM:
+                raise ValueError(
+                    f"attention_config.backend: expected CUSTOM (vtoken's token-indexed attention) with mode "
+                    f"{self.vtoken_config.mode!r}, got {vllm_config.attention_config.backend}"
+                )
+        if vllm_config.use_v2_model_runner:
+            raise ValueError(
+                "model runner: expected vLLM's V1 model runner with the vtoken connector (its attention builder "
+                "needs the batch order the plugin takes from it), got Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("pipeline_parallel_size: expected 1 with the vtoken connector")
         self.scheduler_side = None

@@ -351,7 +351,15 @@ class SchedulerSide:
     def request_finished(self, rid) -> None:
         """vLLM is about to free the request's blocks: drop it from the table without freeing them."""
         if rid in self.table:
-            self._forget(rid, vllm_frees=set(block_ids(self.stm, rid).tolist()))
+            # NOTE: the table's list, not vLLM's: a request preempted (vLLM freed its
+            # blocks) and aborted before the next build_meta has no vLLM list left.
+            # Both lists are equal whenever vLLM still has one (checked in debug).
+            mine = self.table.block_list(rid)
+            if self.config.checking and rid in self.stm.req_to_blocks:
+                theirs = block_ids(self.stm, rid)[: len(mine)]
+                if not np.array_equal(mine, theirs):
+                    raise InvariantViolation(f"surgery: vLLM's block list of {rid!r} differs from vtoken's at finish")
+            self._forget(rid, vllm_frees=set(mine.tolist()))
 
     def _forget(self, rid, *, vllm_frees: set) -> None:
         with self.alloc.detached(vllm_frees):
