@@ -88,7 +88,8 @@ class ReclaimMachine(RuleBasedStateMachine):
         self.ntok: dict = {}
         self.next_id = 0
         self.next_value = 1.0
-        self.planned = []
+        self.planned = []  # made by maybe_plan, not launched
+        self.launched = []  # launched, not committed
 
     # ------------------------------------------------------------ helpers
     def _write(self, req, first, slots):
@@ -171,6 +172,7 @@ class ReclaimMachine(RuleBasedStateMachine):
         r = data.draw(st.sampled_from(self._reqs()), label="req")
         self.mgr.finish_request(r)
         self.planned = [p for p in self.planned if p.request != r]
+        self.launched = [p for p in self.launched if p.request != r]
         del self.values[r], self.live[r], self.ntok[r]
 
     @precondition(lambda self: not self.planned)
@@ -181,26 +183,30 @@ class ReclaimMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.planned))
     @rule(fail=st.booleans(), subset=st.booleans())
     def launch(self, fail, subset):
-        plans = self.planned[:1] if subset else self.planned
+        plans = self.planned[:1] if subset else list(self.planned)
         if fail:
             self.engine.fail_next = True
             with pytest.raises(RuntimeError, match="injected"):
                 self.mgr.launch(plans)
-            assert self.ledger.num_inflight == 0, "a failed copy rolls every plan of the step back"
+            # Every not-yet-launched plan of the step is rolled back; earlier launches stay in flight.
+            self.planned = []
+            in_flight = sum(len(p.src_blocks) + len(p.dst_blocks) for p in self.launched)
+            assert self.ledger.num_inflight == in_flight
         else:
             self.mgr.launch(plans)
-        self.planned = []
+            self.planned = self.planned[len(plans):]
+            self.launched += plans
 
     @rule()
     def commit(self):
-        self.mgr.commit()
-        self.planned = []
+        self.mgr.commit()  # also rolls back plans made but never launched
+        self.planned, self.launched = [], []
         assert self.ledger.num_inflight == 0
 
     @rule()
     def abort(self):
         self.mgr.abort()
-        self.planned = []
+        self.planned, self.launched = [], []
         assert self.ledger.num_inflight == 0
 
     @rule()
