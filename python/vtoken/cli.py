@@ -22,6 +22,7 @@ from vtoken.errors import VTokenError
 
 def _add_fragmentation(sub) -> None:
     from vtoken.experiments.fragmentation import PATTERNS, FragmentationConfig
+    from vtoken.policies import available
 
     d = FragmentationConfig()
     p = sub.add_parser(
@@ -38,6 +39,10 @@ def _add_fragmentation(sub) -> None:
     p.add_argument("--context", type=int, default=d.context, help="tokens per request (default %(default)s)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="RNG seed (default %(default)s)")
+    p.add_argument("--policy", choices=available(), default=None,
+                   help="a real eviction policy chooses the victims instead of --pattern: each prompt runs through "
+                   "the embedded engine's tiny model and the policy decides once at its end (TOVA evicts one token "
+                   "per decision); costs ~0.4 s per 1024-token request on CPU")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=_run_fragmentation, parser=p)
 
@@ -47,10 +52,14 @@ def _run_fragmentation(args) -> int:
 
     try:
         cfg = FragmentationConfig(pattern=args.pattern, evict_ratio=args.evict_ratio, requests=args.requests,
-                                  context=args.context, block_size=args.block_size, seed=args.seed)
+                                  context=args.context, block_size=args.block_size, seed=args.seed,
+                                  policy=args.policy)
     except VTokenError as e:
         args.parser.error(str(e))
-    res = run_fragmentation(cfg)
+    from vtoken.experiments.common import Progress
+
+    with Progress(cfg.requests, f"fragmentation ({cfg.policy})", enabled=None if cfg.policy else False) as progress:
+        res = run_fragmentation(cfg, progress=progress)
     print(json.dumps(res.to_dict()) if args.json else format_result(cfg, res))
     return 0
 
@@ -254,7 +263,85 @@ def _run_prefix(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [_add_fragmentation, _add_demo, _add_retained, _add_sla, _add_prefix]
+def _add_frontier(sub) -> None:
+    from vtoken.experiments.common import add_model_args, add_output_args
+    from vtoken.experiments.frontier import PRESETS, FrontierConfig
+    from vtoken.policies import available
+
+    d = FrontierConfig()
+    p = sub.add_parser(
+        "frontier",
+        help="max feasible concurrency per mode under a fixed block budget (Figure 10)",
+        description="For native, naive and vtoken, find the largest number of identical requests that run to "
+        "completion all at once in --num-blocks KV blocks: no request queued at admission, no allocation failure "
+        "(preemption) in any step, vtoken's headroom reserve counted inside the budget. Each probed concurrency is "
+        "one full simulation. --trace-only drives the real token table, ledger, planner and reclaimer with the "
+        "model forward skipped (seconds on a CPU, even at 16K tokens per request); otherwise the embedded engine "
+        "runs the model.",
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="the paper's setting: 8192 prompt + 8129 output tokens per request (1020 blocks), a KV budget "
+                   "of 8192 tokens (512 blocks packed), in 5427 (paper-0.35) or 11519 (paper-0.50) blocks of 16; "
+                   "the options below override it")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help=f"KV blocks in the pool, the null block included (default {d.num_blocks})")
+    p.add_argument("--block-size", type=int, default=None, help=f"tokens per KV block (default {d.block_size})")
+    p.add_argument("--prompt-len", type=int, default=None, help=f"prompt tokens per request (default {d.prompt_len})")
+    p.add_argument("--output-len", type=int, default=None, help=f"generated tokens per request (default {d.output_len})")
+    p.add_argument("--policy", choices=available(), default=None, help=f"eviction policy (default {d.policy})")
+    p.add_argument("--window", type=int, default=None,
+                   help="the policy's protected recent window (default: its own, at most 32)")
+    p.add_argument("--evict-ratio", type=float, default=None,
+                   help=f"share of each request's KV tokens evicted by its end (default {d.evict_ratio}); "
+                   "sets the KV budget")
+    p.add_argument("--kv-budget", type=int, default=None,
+                   help="live tokens the policy keeps per request (default: from --evict-ratio)")
+    p.add_argument("--trace-only", action="store_true",
+                   help="skip the model forward: real block accounting, victims from the policy on synthetic "
+                   "attention, recorded once and replayed in every mode")
+    p.add_argument("--headroom", type=int, default=None,
+                   help="vtoken's destination reserve in blocks (default: ceil(1.5 C (S-1) / S) at concurrency C)")
+    p.add_argument("--low-watermark", type=float, default=None,
+                   help="vtoken reclaims while free blocks are below this fraction of the pool (default 1.0: always)")
+    p.add_argument("--theta-f", type=float, default=None,
+                   help="vtoken reclaims while the waste ratio F exceeds this (default 0.0)")
+    p.add_argument("--check-interval", type=int, default=None,
+                   help="steps between vtoken's trigger checks (default 1)")
+    p.add_argument("--max-src", type=int, default=None, help="source blocks per plan at most (default 256)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="largest concurrency probed (default: the analytic bound of each mode)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="policy, synthetic attention, prompts and weights seed (default %(default)s)")
+    add_model_args(p)
+    add_output_args(p)
+    p.set_defaults(func=_run_frontier, parser=p)
+
+
+def _run_frontier(args) -> int:
+    from vtoken.experiments import common
+    from vtoken.experiments.frontier import FrontierConfig, format_result, max_probes, plot_result, run_frontier
+
+    with common.cli_errors(args.parser):
+        plt = common.require_matplotlib() if args.plot else None
+        cfg = FrontierConfig.from_options(
+            args.preset, num_blocks=args.num_blocks, block_size=args.block_size, prompt_len=args.prompt_len,
+            output_len=args.output_len, policy=args.policy, window=args.window, evict_ratio=args.evict_ratio,
+            kv_budget=args.kv_budget, trace_only=args.trace_only, seed=args.seed,
+            max_concurrency=args.max_concurrency,
+            reclaim={"headroom_blocks": args.headroom, "low_watermark": args.low_watermark,
+                     "theta_F": args.theta_f, "check_interval": args.check_interval,
+                     "max_src_per_plan": args.max_src},
+        )
+        model = None if cfg.trace_only else common.model_spec(args).build()
+        with common.Progress(max_probes(cfg), "frontier") as progress:
+            res = run_frontier(cfg, model=model, progress=progress)
+    if plt is not None:
+        plot_result(res, args.plot, plt)
+    common.emit(args, res.to_dict(), format_result(res))
+    return 0
+
+
+SUBCOMMANDS = [_add_fragmentation, _add_demo, _add_retained, _add_sla, _add_prefix, _add_frontier]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,11 @@ Patterns (what a policy's victims look like in logical order):
   most recent tokens stay, a contiguous middle span dies. Whole blocks free
   up; only the two boundary blocks are partial.
 
+With ``policy`` set, a real eviction policy chooses the victims instead of a
+pattern: each request's prompt runs through the embedded engine's model and
+the policy decides once at its end (see
+:mod:`vtoken.experiments.policy_victims`).
+
 Example:
     >>> from vtoken.experiments.fragmentation import FragmentationConfig, run_fragmentation
     >>> r = run_fragmentation(FragmentationConfig(pattern="window", requests=2, context=256))
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -51,8 +57,13 @@ class FragmentationConfig:
     context: int = 4096
     block_size: int = 16
     seed: int = 0
+    policy: Optional[str] = None  # a registered policy chooses the victims (``pattern`` is then unused)
 
     def __post_init__(self):
+        if self.policy is not None:
+            from vtoken.experiments.policy_victims import make_policy
+
+            make_policy(self.policy, self.evict_ratio)  # validates the policy and its budget
         if self.pattern not in PATTERNS:
             raise InvalidArgumentError(f"pattern: expected one of {list(PATTERNS)}, got {self.pattern!r}")
         if not 0.0 <= float(self.evict_ratio) <= 1.0:
@@ -94,8 +105,8 @@ def victims(pattern: str, evict_ratio: float, context: int, rng: np.random.Gener
     return np.arange(start, start + k, dtype=np.int64)
 
 
-def run_fragmentation(cfg: FragmentationConfig) -> FragmentationResult:
-    """Prefill every request, evict by ``cfg.pattern``, and read the ledger."""
+def run_fragmentation(cfg: FragmentationConfig, *, progress=None) -> FragmentationResult:
+    """Prefill every request, evict by ``cfg.pattern`` (or ``cfg.policy``), and read the ledger."""
     S, R, L = cfg.block_size, cfg.requests, cfg.context
     ledger = BlockLedger(BlockPool(R * math.ceil(L / S) + 1), S)
     table = TokenTable(ledger, initial_tokens=R * L)
@@ -103,8 +114,14 @@ def run_fragmentation(cfg: FragmentationConfig) -> FragmentationResult:
     for r in reqs:
         table.add_request(r)
     table.sync_new_tokens_batch(reqs, np.full(R, L, dtype=np.int64))
-    rng = np.random.default_rng(cfg.seed)
-    per = [victims(cfg.pattern, float(cfg.evict_ratio), L, rng) for _ in reqs]
+    if cfg.policy is not None:
+        from vtoken.experiments.policy_victims import policy_victims
+
+        per = policy_victims(cfg.policy, requests=R, context=L, evict_ratio=float(cfg.evict_ratio), seed=cfg.seed,
+                             progress=progress)
+    else:
+        rng = np.random.default_rng(cfg.seed)
+        per = [victims(cfg.pattern, float(cfg.evict_ratio), L, rng) for _ in reqs]
     table.evict_flat(reqs, np.concatenate(per), [len(v) for v in per])
     live = np.array([table.live_count(r) for r in reqs], dtype=np.int64)
     return FragmentationResult(
@@ -119,7 +136,7 @@ def run_fragmentation(cfg: FragmentationConfig) -> FragmentationResult:
 
 def format_result(cfg: FragmentationConfig, res: FragmentationResult) -> str:
     return "\n".join([
-        f"vtoken fragmentation: pattern={cfg.pattern} evict_ratio={cfg.evict_ratio:g} requests={cfg.requests} "
+        f"vtoken fragmentation: {'policy=' + cfg.policy if cfg.policy else 'pattern=' + cfg.pattern} evict_ratio={cfg.evict_ratio:g} requests={cfg.requests} "
         f"context={cfg.context} block_size={cfg.block_size} seed={cfg.seed}",
         f"  waste ratio F                     {res.waste_ratio:.4f}",
         f"  blocks at <= 25% utilization      {100 * res.frac_blocks_le_25pct:.1f}%",
