@@ -94,7 +94,7 @@ class ModelSpec:
     path: Optional[str] = None  # a local HF Llama checkpoint directory (overrides the preset)
     device: Optional[str] = None  # None: cuda if available, else cpu
     seed: int = 0
-    threads: Optional[int] = None  # CPU intra-op threads; None: 1 (see configure_threads)
+    threads: Optional[int] = None  # CPU intra-op threads to set (the CLI's default: 1); None: leave torch's
 
     def __post_init__(self):
         if self.path is None and self.preset not in MODEL_PRESETS:
@@ -133,18 +133,18 @@ class ModelSpec:
 
 
 def configure_threads(device, threads: Optional[int]) -> None:
-    """Set torch's CPU intra-op threads for a CPU run (default 1).
+    """Set torch's CPU intra-op threads for a CPU run (``None``: leave them; the CLI passes 1).
 
     NOTE: the tiny preset's matmuls ([8, 64] x [64, 128]) are far too small to gain
     from intra-op threads, and threads that wait on busy cores are ruinous:
     one F.linear took 6,856 us with 2 threads vs 9.7 us with 1 on the loaded
-    2-core development machine (torch 2.13 CPU), which made a decode step 8x
-    slower end to end. ``--threads`` overrides it for larger models.
+    2-core development machine (torch 2.13 CPU), which made the demo's engine
+    runs 5-8x slower end to end. ``--threads`` overrides it for larger models.
     """
     import torch
 
-    if getattr(device, "type", str(device)) == "cpu":
-        torch.set_num_threads(int(threads) if threads is not None else 1)
+    if threads is not None and getattr(device, "type", str(device)) == "cpu":
+        torch.set_num_threads(int(threads))
 
 
 def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list:
@@ -361,8 +361,8 @@ def add_model_args(p, *, device: bool = True) -> None:
                    help="a local Hugging Face Llama checkpoint directory (config.json + *.safetensors) instead")
     if device:
         p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU intra-op threads (default 1: the tiny model's ops are too small to share)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU intra-op threads (default %(default)s: the tiny model's ops are too small to share)")
 
 
 def add_output_args(p) -> None:

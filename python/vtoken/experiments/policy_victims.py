@@ -62,10 +62,10 @@ def policy_victims(policy: str, *, requests: int, context: int, evict_ratio: flo
     pol = make_policy(policy, evict_ratio, window)
     if pol is None:
         return [np.zeros(0, dtype=np.int64) for _ in range(requests)]
-    spec = model if model is not None else ModelSpec()
+    spec = model if model is not None else ModelSpec(threads=1)
     threads = torch.get_num_threads()
     try:
-        lm = spec.build()  # sets 1 CPU thread (see configure_threads); restored below
+        lm = spec.build()  # may set CPU threads (see configure_threads): restored below
         S = 16  # the victims are logical ids: the runner's block size does not change them
         chunk = min(PREFILL_CHUNK, context)
         runner = ModelRunner(lm, RunnerConfig(

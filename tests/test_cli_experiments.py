@@ -1,0 +1,277 @@
+"""``vtoken demo / retained / sla / prefix`` and ``fragmentation --policy``: in-process with tiny sizes, JSON asserted.
+
+What must hold whatever the machine (no timing thresholds):
+
+- paired runs: the greedy outputs of naive and vtoken are IDENTICAL on the
+  recorded trace, vtoken relocates tokens and retains fewer blocks than naive
+  where the victims are scattered, naive never relocates;
+- the reported numbers agree with their definitions (max concurrency =
+  usable // peak per request, native's retention = the unevicted footprint,
+  the SLA = 1.05 x naive's p95 at the reference C, the best point under it);
+- prefix sharing: every shared block with dead tokens is skipped by
+  reclamation (100%) and keeps its slots, and suffix blocks are reclaimed;
+- ``--json`` prints exactly one JSON object on stdout.
+
+The engine runs on the torch reference kernels (VTOKEN_BACKEND=torch): the
+Triton interpreter is far too slow for whole engine runs, and the kernels
+have their own tests. conftest's VTOKEN_DEBUG_INVARIANTS=1 makes the
+reclamation manager check I1/I2/I4 at every step of these runs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vtoken.cli import main
+from vtoken.experiments.common import Progress, full_blocks, headroom_blocks
+
+# Tiny sizes: block size 4 and a 4-token window, so the policies evict within a few dozen tokens.
+TINY = ["--block-size", "4", "--window", "4", "--device", "cpu"]
+MODE_KEYS = {"mode", "retained_blocks_per_request", "utilization", "waste_ratio_mean", "ideal_blocks_per_request",
+             "peak_blocks", "peak_blocks_per_request", "usable_blocks", "max_concurrency", "tokens_per_s", "seconds",
+             "evicted_tokens", "relocated_tokens", "reclaimed_blocks", "preemptions"}
+SCATTERED = ("h2o", "random", "scissorhands", "tova")  # victims spread over blocks: naive keeps holes
+
+
+@pytest.fixture(autouse=True)
+def torch_backend(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # the CLI sets 1 CPU thread for the tiny model; other tests keep theirs
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main([*argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out  # one JSON object, nothing else on stdout
+    return json.loads(lines[0])
+
+
+# ----------------------------------------------------------------------------------------- demo
+DEMO = ["demo", "--requests", "3", "--prompt-len", "24", "--output-len", "20", "--num-blocks", "48", *TINY]
+
+
+def test_demo_json(capsys):
+    got = run_json(capsys, *DEMO)
+    assert set(got) == {"config", "model", "modes", "outputs_identical", "seconds"}
+    assert list(got["modes"]) == ["native", "naive", "vtoken"]
+    assert all(set(m) == MODE_KEYS for m in got["modes"].values())
+    assert got["outputs_identical"] is True
+    nat, nv, vt = (got["modes"][m] for m in ("native", "naive", "vtoken"))
+    # Native keeps everything: prompt + all outputs but the last, packed from block 0 of each request.
+    full = full_blocks(24, 20, 4)
+    assert nat["retained_blocks_per_request"] == full and nat["peak_blocks_per_request"] == full
+    assert nat["utilization"] == pytest.approx((24 + 20 - 1) / (full * 4))
+    assert nat["evicted_tokens"] == 0 and nat["relocated_tokens"] == 0
+    # The same victims in naive and vtoken; only vtoken moves tokens, and it keeps fewer blocks.
+    assert nv["evicted_tokens"] == vt["evicted_tokens"] > 0
+    assert nv["relocated_tokens"] == 0 and vt["relocated_tokens"] > 0 and vt["reclaimed_blocks"] > 0
+    assert vt["retained_blocks_per_request"] < nv["retained_blocks_per_request"]
+    assert vt["utilization"] > nv["utilization"]
+    assert vt["ideal_blocks_per_request"] == nv["ideal_blocks_per_request"]  # same live tokens
+    assert vt["retained_blocks_per_request"] >= vt["ideal_blocks_per_request"]
+    # Max concurrency by its definition; vtoken's headroom is inside the same budget.
+    assert nat["usable_blocks"] == nv["usable_blocks"] == 47
+    assert vt["usable_blocks"] == 47 - headroom_blocks(48)
+    for m in (nat, nv, vt):
+        assert m["max_concurrency"] == m["usable_blocks"] // m["peak_blocks_per_request"]
+        assert m["preemptions"] == 0 and 0 < m["utilization"] <= 1 and 0 <= m["waste_ratio_mean"] < 1
+    assert vt["peak_blocks_per_request"] < nat["peak_blocks_per_request"]
+    assert vt["max_concurrency"] > nat["max_concurrency"]
+
+
+def test_demo_table(capsys):
+    assert main(DEMO) == 0
+    out = capsys.readouterr().out
+    for label in ("retained/req", "utilization", "peak/req", "tokens/s", "max concurrency", "native", "naive",
+                  "vtoken", "greedy outputs, naive vs vtoken: IDENTICAL"):
+        assert label in out
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--num-blocks", "20"], "num_blocks: expected a budget that holds all 3 requests"),
+    (["--evict-ratio", "1.0"], "evict_ratio: expected a value in"),
+    (["--policy", "nope"], "invalid choice"),
+    (["--requests", "0"], "requests: expected an int >= 1"),
+    (["--device", "cuda:0"] if not __import__("torch").cuda.is_available() else ["--model-preset", "bogus"],
+     "device: expected an available device" if not __import__("torch").cuda.is_available() else "invalid choice"),
+])
+def test_demo_bad_options_exit_2(capsys, args, match):
+    with pytest.raises(SystemExit) as e:
+        main([*DEMO, *args])
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- retained
+def test_retained_json_all_policies(capsys):
+    from vtoken.policies import available
+
+    got = run_json(capsys, "retained", "--requests", "2", "--prompt-len", "24", "--output-len", "20", *TINY[:4])
+    assert set(got) == {"config", "model", "policies", "seconds"}
+    assert sorted(got["policies"]) == available()  # all six
+    for name, row in got["policies"].items():
+        nv, vt = row["naive"], row["vtoken"]
+        assert row["outputs_identical"] is True, name
+        assert nv["evicted_tokens"] > 0, name
+        assert nv["relocated_tokens"] == 0
+        assert vt["retained_blocks_per_request"] <= nv["retained_blocks_per_request"], name
+        assert vt["retained_blocks_per_request"] >= vt["ideal_blocks_per_request"], name
+        assert row["reduction"] == pytest.approx(
+            1 - vt["retained_blocks_per_request"] / nv["retained_blocks_per_request"])
+        if name in SCATTERED:
+            assert vt["relocated_tokens"] > 0, name
+            assert vt["retained_blocks_per_request"] < nv["retained_blocks_per_request"], name
+            assert vt["utilization"] > nv["utilization"], name
+
+
+# ------------------------------------------------------------------------------------------ sla
+def test_sla_json(capsys):
+    got = run_json(capsys, "sla", "--concurrency", "1,2,4", "--sla-concurrency", "2", "--rounds", "1",
+                   "--prompt-len", "16", "--output-len", "12", "--num-blocks", "24", *TINY)
+    assert set(got) == {"config", "model", "points", "sla_p95_token_latency_s", "best_under_sla",
+                        "vtoken_over_naive", "seconds"}
+    ref = next(p for p in got["points"]["naive"] if p["concurrency"] == 2)
+    sla = got["sla_p95_token_latency_s"]
+    assert sla == pytest.approx(1.05 * ref["p95_token_latency_s"], rel=1e-12)
+    for mode, pts in got["points"].items():
+        assert [p["concurrency"] for p in pts] == [1, 2, 4]
+        for p in pts:
+            assert p["requests"] == p["concurrency"] and p["generated_tokens"] == 12 * p["requests"]
+            assert p["throughput_tok_s"] == pytest.approx(p["generated_tokens"] / p["seconds"])
+            assert p["p95_token_latency_s"] > 0 and p["peak_running"] <= p["concurrency"]
+            assert p["peak_blocks"] <= 23
+        ok = [p for p in pts if p["p95_token_latency_s"] <= sla]
+        best = got["best_under_sla"][mode]
+        if ok:
+            top = max(ok, key=lambda p: p["throughput_tok_s"])
+            assert best == {k: top[k] for k in ("concurrency", "throughput_tok_s", "p95_token_latency_s")}
+        else:
+            assert best is None
+        if mode == "native":
+            assert all(p["relocated_tokens"] == 0 for p in pts)
+    # 4 requests x up to 7 blocks do not fit 23 blocks: native must preempt (recompute) at C=4.
+    assert got["points"]["native"][2]["preemptions"] > 0
+
+
+def test_sla_reference_concurrency_must_be_swept(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["sla", "--concurrency", "1,2", "--sla-concurrency", "8"])
+    assert e.value.code == 2
+    assert "sla_concurrency: expected one of the swept concurrencies [1, 2]" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------- prefix
+def test_prefix_json(capsys):
+    got = run_json(capsys, "prefix", "--degrees", "1,2,4", "--requests", "4", "--prefix-len", "16",
+                   "--suffix-len", "8", "--output-len", "16", *TINY)
+    rows = {r["degree"]: r for r in got["degrees"]}
+    assert sorted(rows) == [1, 2, 4]
+    k = 16 // 4  # prefix blocks
+    for d, r in rows.items():
+        assert r["outputs_identical"] is True, d
+        assert r["evicted_tokens"] > 0
+        assert r["shared_blocks_used_as_sources"] == 0 and r["shared_slots_intact"] is True
+        assert r["reclaimed_suffix_blocks"] + r["reclaimed_prefix_blocks"] == r["reclaimed_blocks"]
+        assert r["reclaimed_suffix_blocks"] > 0
+        assert r["vtoken_retained_blocks"] <= r["naive_retained_blocks"]
+        assert r["retained_vs_naive"] == pytest.approx(r["vtoken_retained_blocks"] / r["naive_retained_blocks"])
+        assert r["vtoken_retained_blocks"] >= r["packed_blocks"]
+    assert rows[1]["shared_blocks"] == 0 and rows[1]["shared_skipped_pct"] is None
+    for d in (2, 4):
+        assert rows[d]["shared_blocks"] == (4 // d) * k
+        assert rows[d]["shared_blocks_with_dead_tokens"] > 0
+        assert rows[d]["shared_skipped_pct"] == 100.0
+    assert any(r["vtoken_retained_blocks"] < r["naive_retained_blocks"] for r in rows.values())
+
+
+def test_prefix_rejects_partial_prefix_blocks(capsys):
+    with pytest.raises(SystemExit):
+        main(["prefix", "--prefix-len", "10", "--block-size", "4"])
+    assert "prefix_len: expected a multiple of block_size (4)" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- fragmentation --policy
+def test_fragmentation_policy_h2o(capsys):
+    got = run_json(capsys, "fragmentation", "--policy", "h2o", "--requests", "2", "--context", "128")
+    # H2O keeps exactly half of each prompt: 64 live tokens = 4 packed blocks of 16.
+    assert got["ideal_blocks_per_request"] == 4.0
+    assert 4.0 < got["retained_blocks_per_request"] <= 8.0
+    assert got["waste_ratio"] == pytest.approx(1 - 64 / (got["retained_blocks_per_request"] * 16))
+
+
+def test_fragmentation_policy_streamingllm_is_contiguous(capsys):
+    got = run_json(capsys, "fragmentation", "--policy", "streamingllm", "--requests", "2", "--context", "128")
+    # Sinks 0..3 stay, tokens 4..67 die, the last 60 stay: blocks 1-3 are freed, blocks 0 and 4 are partial.
+    assert got["retained_blocks_per_request"] == 5.0 and got["ideal_blocks_per_request"] == 4.0
+    assert got["waste_ratio"] == pytest.approx(1 - 64 / 80)
+
+
+def test_policy_victims_contract():
+    import numpy as np
+
+    from vtoken.experiments.common import ModelSpec
+    from vtoken.experiments.policy_victims import policy_victims
+
+    spec = ModelSpec(device="cpu")
+    for name, n in (("h2o", 150), ("snapkv", 150), ("scissorhands", 150), ("tova", 1)):
+        v = policy_victims(name, requests=2, context=300, evict_ratio=0.5, seed=1, model=spec)
+        for x in v:
+            assert x.dtype == np.int64 and (np.diff(x) > 0).all()
+            assert len(x) == n, name  # TOVA evicts one token per decision, by definition
+            assert x.max() < 300 - 32 or name == "tova"  # the recent window (32) is protected
+    assert all(len(x) == 0 for x in policy_victims("h2o", requests=2, context=64, evict_ratio=0.0))
+
+
+# ---------------------------------------------------------------------------------- plot, progress
+def test_plot_writes_png(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "demo.png"
+    assert main([*DEMO, "--plot", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["outputs_identical"] is True
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_names_the_extra(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SystemExit) as e:
+        main(["prefix", "--plot", str(tmp_path / "x.png")])
+    assert e.value.code == 2
+    assert "pip install 'vtoken[bench]'" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_progress_goes_to_stderr_only(capsys):
+    pytest.importorskip("rich")
+    with Progress(3, "t", enabled=True) as p:
+        for _ in range(3):
+            p.advance()
+        p.set_description("done")
+    assert capsys.readouterr().out == ""
+    with Progress(3, "t") as p:  # stderr is not a terminal under pytest: no bar at all
+        assert p._bar is None
+
+
+# ---------------------------------------------------------------------------------- subprocess
+def test_subprocess_demo_json():
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the user's default dispatch, as `vtoken demo` gets it
+    env.pop("VTOKEN_BACKEND", None)
+    res = subprocess.run([sys.executable, "-m", "vtoken.cli", *DEMO, "--json"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 1, res.stdout
+    got = json.loads(lines[0])
+    assert got["outputs_identical"] is True
+    assert got["modes"]["vtoken"]["retained_blocks_per_request"] < got["modes"]["naive"]["retained_blocks_per_request"]
+    assert math.isfinite(got["modes"]["vtoken"]["tokens_per_s"])
