@@ -367,14 +367,28 @@ class TableMachine(RuleBasedStateMachine):
             assert np.array_equal(t.live_slots(r), slots[alive])
             assert t.block_list(r).tolist() == mr["blist"]
             assert t.held_blocks(r) == sum(1 for b in mr["blist"] if b)
+        # Per-block views of the model, built in one pass each.
+        holders: dict[int, list] = {}
+        for r, mr in m.reqs.items():
+            for b in mr["blist"]:
+                if b:
+                    holders.setdefault(b, []).append(r)
+        live_slots: dict[int, set] = {}
+        for mr in m.reqs.values():
+            for a, s in zip(mr["alive"], mr["slot"]):
+                if a:
+                    live_slots.setdefault(s // S, set()).add(s)
+        pending = {b: r for r, bl in m.pending.items() for b in bl}
+        state, owner, pos = led.state.tolist(), led.owner.tolist(), led.pos.tolist()
+        refs = [0] + self.pool.ref_count(np.arange(1, m.nb)).tolist()
+        ledger_live = led.live.tolist()
         total_live = 0
         low = 0
         for b in range(1, m.nb):
-            h = m.holders(b)
-            pend = [r for r, bl in m.pending.items() if b in bl]
-            live = len(m.live_slots_in(b))
-            if pend:
-                exp_state, exp_owner, exp_ref, exp_pos = DST_INFLIGHT, t.row_of(pend[0]), 1, -1
+            h = holders.get(b, [])
+            live = len(live_slots.get(b, ()))
+            if b in pending:
+                exp_state, exp_owner, exp_ref, exp_pos = DST_INFLIGHT, t.row_of(pending[b]), 1, -1
             elif len(h) >= 2:
                 exp_state, exp_owner, exp_ref = SHARED, SHARED_OWNER, len(h)
                 exp_pos = m.reqs[h[0]]["blist"].index(b)
@@ -383,9 +397,9 @@ class TableMachine(RuleBasedStateMachine):
                 exp_pos = m.reqs[h[0]]["blist"].index(b)
             else:
                 exp_state, exp_owner, exp_ref, exp_pos = FREE, NO_OWNER, 0, -1
-            assert (int(led.state[b]), int(led.owner[b]), int(led.pos[b])) == (exp_state, exp_owner, exp_pos), f"block {b}"
-            assert int(self.pool.ref_count([b])[0]) == exp_ref, f"block {b} ref"
-            assert int(led.live[b]) == live, f"block {b} live"
+            assert (state[b], owner[b], pos[b]) == (exp_state, exp_owner, exp_pos), f"block {b}"
+            assert refs[b] == exp_ref, f"block {b} ref"
+            assert ledger_live[b] == live, f"block {b} live"
             if exp_state == SHARED:
                 assert led.holders[b] == {t.row_of(x) for x in h}
             if exp_state != FREE:
