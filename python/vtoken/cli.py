@@ -30,7 +30,7 @@ def _add_fragmentation(sub) -> None:
         help="waste ratio and block utilization after token-level eviction (Figure 1)",
         description="Prefill --requests requests of --context tokens in the real token table and block "
         "ledger, evict --evict-ratio of each by --pattern, and report the waste ratio F, the fraction of "
-        "blocks at <= 25%% / <= 50%% utilization, blocks retained vs ideally packed per request, and the "
+        "blocks at <= 25% / <= 50% utilization, blocks retained vs ideally packed per request, and the "
         "table's bytes per token.",
     )
     p.add_argument("--pattern", choices=PATTERNS, default=d.pattern, help="eviction pattern (default %(default)s)")
@@ -223,7 +223,7 @@ def _add_prefix(sub) -> None:
         "prefix",
         help="reclamation next to prefix sharing, by sharing degree (Table 1)",
         description="Groups of requests share a prefix (TokenTable.add_request(prefix_blocks=...)) and each has a "
-        "private suffix; report, per sharing degree, the shared blocks reclamation skips (must be 100%%), the "
+        "private suffix; report, per sharing degree, the shared blocks reclamation skips (must be 100%), the "
         "suffix blocks it reclaims, and the blocks retained vs naive on one recorded victim trace.",
     )
     p.add_argument("--degrees", default=",".join(map(str, d.degrees)),
