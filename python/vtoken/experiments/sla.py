@@ -64,7 +64,7 @@ class SlaConfig:
     policy: str = "h2o"
     evict_ratio: float = 0.5
     window: Optional[int] = None  # the policy's recent window (None: its default, at most 32)
-    concurrency: tuple = (1, 2, 4, 8, 16)
+    concurrency: tuple = (1, 2, 4, 8, 12, 16)
     rounds: int = 2  # requests per point = rounds x C
     prompt_len: int = 64
     output_len: int = 128
