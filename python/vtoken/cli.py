@@ -81,8 +81,10 @@ def _add_demo(sub) -> None:
     p.add_argument("--policy", choices=available(), default=d.policy, help="eviction policy (default %(default)s)")
     p.add_argument("--evict-ratio", type=float, default=d.evict_ratio,
                    help="fraction of each request's tokens the policy evicts (default %(default)s)")
-    p.add_argument("--window", type=int, default=None, help="the policy's protected recent window (default: its own, at most 32)")
-    p.add_argument("--requests", type=int, default=d.requests, help="requests, all resident at once (default %(default)s)")
+    p.add_argument("--window", type=int, default=None,
+                   help="the policy's protected recent window (default: its own, at most 32)")
+    p.add_argument("--requests", type=int, default=d.requests,
+                   help="requests, all resident at once (default %(default)s)")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens (default %(default)s)")
     p.add_argument("--output-len", type=int, default=d.output_len, help="generated tokens (default %(default)s)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default %(default)s)")
@@ -129,7 +131,8 @@ def _add_retained(sub) -> None:
                    help="comma-separated policies (default: all: %(default)s)")
     p.add_argument("--evict-ratio", type=float, default=d.evict_ratio,
                    help="fraction of each request's tokens evicted (default %(default)s)")
-    p.add_argument("--window", type=int, default=None, help="every policy's protected recent window (default: its own, at most 32)")
+    p.add_argument("--window", type=int, default=None,
+                   help="every policy's protected recent window (default: its own, at most 32)")
     p.add_argument("--requests", type=int, default=d.requests, help="requests (default %(default)s)")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens (default %(default)s)")
     p.add_argument("--output-len", type=int, default=d.output_len, help="generated tokens (default %(default)s)")

@@ -110,7 +110,8 @@ class ModelSpec:
         try:
             dev = torch.device(self.device)
         except (RuntimeError, TypeError):
-            raise InvalidArgumentError(f"device: expected a torch device such as 'cpu' or 'cuda', got {self.device!r}") from None
+            raise InvalidArgumentError(
+                f"device: expected a torch device such as 'cpu' or 'cuda', got {self.device!r}") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise InvalidArgumentError("device: expected an available device, got 'cuda' (no CUDA device here)")
         return dev

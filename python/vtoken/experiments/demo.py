@@ -28,7 +28,8 @@ Example:
     >>> from vtoken.experiments.demo import DemoConfig, run_demo
     >>> res = run_demo(DemoConfig(requests=2, prompt_len=24, output_len=16, block_size=4, window=4,
     ...                           num_blocks=40, model=ModelSpec(device="cpu")))
-    >>> res.outputs_identical, res.modes["vtoken"].retained_blocks_per_request < res.modes["naive"].retained_blocks_per_request
+    >>> nv, vt = res.modes["naive"], res.modes["vtoken"]
+    >>> res.outputs_identical, vt.retained_blocks_per_request < nv.retained_blocks_per_request
     (True, True)
 """
 from __future__ import annotations
@@ -40,7 +41,6 @@ from vtoken.errors import InvalidArgumentError
 from vtoken.experiments.common import (
     EAGER_RECLAIM,
     ModelSpec,
-    ModeRun,
     Progress,
     check_int,
     check_policy,
@@ -86,7 +86,8 @@ class DemoConfig:
         if need > have:
             raise InvalidArgumentError(
                 f"num_blocks: expected a budget that holds all {self.requests} requests unevicted "
-                f"({need} blocks + the null block + vtoken's headroom), got {self.num_blocks} ({have} usable in vtoken mode)"
+                f"({need} blocks + the null block + vtoken's headroom), got {self.num_blocks} "
+                f"({have} usable in vtoken mode)"
             )
 
 
@@ -152,7 +153,8 @@ def format_demo(res: DemoResult) -> str:
         f"greedy outputs, naive vs vtoken: {verdict} ({c.requests} requests, {n_tok} tokens; "
         f"{res.modes['naive'].evicted_tokens} tokens evicted in each, {vt.summary['relocated_tokens']} relocated "
         f"and {vt.summary['reclaimed_blocks']} blocks reclaimed by vtoken)",
-        "retained/req: blocks held at finish; utilization: live / (retained x S); F: pool waste ratio, mean over steps;",
+        "retained/req: blocks held at finish; utilization: live / (retained x S); "
+        "F: pool waste ratio, mean over steps;",
         "max concurrency: floor(budget / peak/req), lockstep requests all resident (vtoken's headroom counts "
         f"inside the budget: {res.modes['vtoken'].usable_blocks} usable)",
         f"total {res.seconds:.1f} s",

@@ -305,7 +305,8 @@ def format_prefix(res: PrefixResult) -> str:
     c = res.config
     lines = [
         f"vtoken prefix (Table 1): {c.requests} requests, shared prefix {c.prefix_len} + private suffix {c.suffix_len} "
-        f"+ {c.output_len} output tokens, block size {c.block_size}, policy {c.policy} (evict {100 * c.evict_ratio:g}%)",
+        f"+ {c.output_len} output tokens, block size {c.block_size}, "
+        f"policy {c.policy} (evict {100 * c.evict_ratio:g}%)",
         f"model: {res.model}",
         "",
         f"{'degree':>6} {'shared':>6} {'w/ dead':>7} {'skipped':>8} {'reclaimed suffix':>16} {'prefix':>6} "

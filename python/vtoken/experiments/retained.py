@@ -12,7 +12,8 @@ Example:
     >>> from vtoken.experiments.retained import RetainedConfig, run_retained
     >>> res = run_retained(RetainedConfig(policies=("streamingllm",), requests=2, prompt_len=24, output_len=12,
     ...                                   block_size=4, window=4, model=ModelSpec(device="cpu")))
-    >>> row = res.rows["streamingllm"]; row["outputs_identical"], row["vtoken"]["retained_blocks_per_request"] <= row["naive"]["retained_blocks_per_request"]
+    >>> row = res.rows["streamingllm"]; n, v = row["naive"], row["vtoken"]
+    >>> row["outputs_identical"], v["retained_blocks_per_request"] <= n["retained_blocks_per_request"]
     (True, True)
 """
 from __future__ import annotations

@@ -224,7 +224,8 @@ def format_sla(res: SlaResult) -> str:
     c = res.config
     lines = [
         f"vtoken sla (Fig. 8): closed loop, {c.rounds} x C requests of ({c.prompt_len} prompt + {c.output_len} output) "
-        f"tokens, budget {c.num_blocks - 1} blocks of {c.block_size}, policy {c.policy} (evict {100 * c.evict_ratio:g}%)",
+        f"tokens, budget {c.num_blocks - 1} blocks of {c.block_size}, "
+        f"policy {c.policy} (evict {100 * c.evict_ratio:g}%)",
         f"model: {res.model}",
         "",
         f"{'mode':<8} {'C':>3} {'tokens/s':>9} {'p95 ms/token':>12} {'p95 TTFT ms':>11} {'preempted':>9} "
