@@ -644,3 +644,40 @@ def test_gpu_force_sync_stalls_the_host():
     assert ticket.event.query(), "force_sync: the copy completed before launch returned"
     mgr.commit()
     assert mgr.metrics.records[-1].host_stall_us == ticket.host_stall_us >= 0.0
+
+
+@pytest.mark.parametrize("check_interval", [1, 8])
+def test_a_plan_that_needs_more_than_the_leftover_budget_waits_its_turn(monkeypatch, check_interval):
+    """Once this step's earlier plans left too little headroom, planning stops; the next request keeps its place.
+
+    Three requests, each with 9 non-tail blocks keeping 3 of 4 tokens (gain bound 2).
+    A plan needs 3 destinations (4 sources of 3 live tokens); the headroom is 4, so
+    each step fits one plan and leaves 1 block, too little for the next request.
+    """
+    import vtoken.reclaim as reclaim_mod
+
+    calls = []
+    real = reclaim_mod.select_sources
+    monkeypatch.setattr(reclaim_mod, "select_sources", lambda *a, **k: calls.append(k["max_dst"]) or real(*a, **k))
+    rt = Runtime(num_blocks=64, block_size=4, theta_F=0.0, low_watermark=1.0, headroom_blocks=4,
+                 check_interval=check_interval, max_src_per_plan=8)
+    reqs = ["a", "b", "c"]
+    for r in reqs:
+        rt.add(r)
+    rt.append(reqs, [37, 37, 37])  # 9 full blocks and a 1-token tail each
+    for r in reqs:
+        rt.evict(r, np.arange(0, 36, 4))
+    planned = []
+    for _ in range(3):
+        calls.clear()
+        rt.mgr.before_forward()
+        plans = rt.mgr.maybe_plan()
+        rt.mgr.launch(plans)
+        rt.mgr.commit()
+        planned.append([p.request for p in plans])
+        assert [len(p.dst_blocks) for p in plans] == [3]
+        # The plan (full budget: 4 blocks), then the next queued request, if any, tried once against the
+        # leftover (1 block) and once against the full budget (it would fit, so it waits); no third request.
+        assert calls[0] == 4 and calls[1:] in ([], [1, 4])
+    assert planned == [["a"], ["b"], ["c"]]
+    rt.table.check_invariants()
