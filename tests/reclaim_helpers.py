@@ -10,23 +10,7 @@ from vtoken.pool import BlockPool
 from vtoken.reclaim import ReclaimConfig, ReclamationManager
 from vtoken.table import TokenTable
 
-
-def assert_same(a, b, path: str = "snapshot") -> None:
-    """Assert two table snapshots are identical: numpy arrays bit for bit (dtype included)."""
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray), f"{path}: array vs {type(b).__name__}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
-        assert a.tobytes() == b.tobytes(), f"{path}: contents differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{path}: keys differ"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), f"{path}: {a!r} != {b!r}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
+from table_helpers import assert_same  # noqa: F401  (re-exported for test_reclaim)
 
 
 class Runtime:
