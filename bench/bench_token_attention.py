@@ -71,7 +71,7 @@ def make_case(num_reqs, live, num_q_heads, num_kv_heads, head_dim, dtype, device
 
 def dense_kv(cache, layout, kv_indices, num_reqs, live):
     """K, V gathered into dense [R, Hkv, L, D] tensors (the SDPA baseline's input)."""
-    view = ref_mod._canonical_view(cache, layout)
+    view = layout.canonical_view(cache)
     s = kv_indices.long()
     k = view[s // layout.block_size, s % layout.block_size, 0]  # [R*L, Hkv, D]
     v = view[s // layout.block_size, s % layout.block_size, 1]

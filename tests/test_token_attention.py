@@ -65,7 +65,7 @@ def make_lists(lens, num_slots, pad_tail, rng, device="cpu"):
 
 def slot_rows(cache, layout):
     """Canonical [num_blocks, block_size, 2, H, D] view to read / poison slots."""
-    return ref_mod._canonical_view(cache, layout)
+    return layout.canonical_view(cache)
 
 
 def poison_unlisted(cache, layout, kv_indices, value):

@@ -74,6 +74,17 @@ class KVLayout:
         block, offset = divmod(slot, self.block_size)
         return block * self.stride_block + offset * self.stride_offset
 
+    def canonical_view(self, kv_cache):
+        """``kv_cache`` seen as ``[num_blocks, block_size, num_kv, num_heads, head_dim]`` through these strides.
+
+        A view (``as_strided``): writes go through to ``kv_cache``.
+        """
+        return kv_cache.as_strided(
+            (self.num_blocks, self.block_size, self.num_kv, self.num_heads, self.head_dim),
+            (self.stride_block, self.stride_offset, self.stride_kv, self.stride_head, 1),
+            kv_cache.storage_offset(),
+        )
+
     @classmethod
     def from_tensor(cls, t, name: str) -> "KVLayout":
         """Describe tensor ``t`` (one layer's cache) in the named layout."""

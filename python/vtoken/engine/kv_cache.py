@@ -51,16 +51,6 @@ def allocate_kv_caches(
     return caches, KVLayout.from_tensor(caches[0], layout)
 
 
-def canonical_view(kv_cache: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """``kv_cache`` seen as ``[num_blocks, block_size, 2, H, D]`` (a view: writes go through)."""
-    return torch.as_strided(
-        kv_cache,
-        (layout.num_blocks, layout.block_size, layout.num_kv, layout.num_heads, layout.head_dim),
-        (layout.stride_block, layout.stride_offset, layout.stride_kv, layout.stride_head, 1),
-        kv_cache.storage_offset(),
-    )
-
-
 def write_kv(
     kv_cache: torch.Tensor,
     layout: KVLayout,
@@ -101,6 +91,6 @@ def write_kv(
         return
     slots = slot_mapping.to(torch.int64)
     slots = torch.where(slots >= 0, slots, torch.full_like(slots, NULL_BLOCK * layout.block_size))
-    view = canonical_view(kv_cache, layout)
+    view = layout.canonical_view(kv_cache)
     rows = torch.stack((key, value), dim=1)  # [T, 2, H, D]
     view.index_put_((slots // layout.block_size, slots % layout.block_size), rows)

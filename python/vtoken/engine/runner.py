@@ -49,7 +49,7 @@ import torch
 
 from vtoken.buffers import DeviceMirror, SlotListBuffers
 from vtoken.copy_engine import StagingRing
-from vtoken.engine.kv_cache import KV_LAYOUTS, canonical_view
+from vtoken.engine.kv_cache import KV_LAYOUTS
 from vtoken.engine.model import LlamaModel, ModelOutput, StepInputs
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array
 from vtoken.ledger import BlockLedger
@@ -358,7 +358,7 @@ class ModelRunner:
         from vtoken.policies.scores import window_key_scores
 
         S = self.config.block_size
-        views = [canonical_view(c, self.layout) for c in self.kv_caches]
+        views = [self.layout.canonical_view(c) for c in self.kv_caches]
         out, lo = [], 0
         for i, req in enumerate(reqs):
             hi = lo + int(n_win[i])

@@ -187,16 +187,6 @@ def validate_token_attention_args(
     )
 
 
-def _canonical_view(kv_cache: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """``kv_cache`` seen as ``[num_blocks, block_size, 2, H, D]`` through the layout strides."""
-    return torch.as_strided(
-        kv_cache,
-        (layout.num_blocks, layout.block_size, layout.num_kv, layout.num_heads, layout.head_dim),
-        (layout.stride_block, layout.stride_offset, layout.stride_kv, layout.stride_head, 1),
-        kv_cache.storage_offset(),
-    )
-
-
 def token_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -247,7 +237,7 @@ def token_attention(
         raise InvalidTypeError(f"compute_dtype: expected torch.float32 or torch.float64, got {compute_dtype}")
     if compute_dtype == torch.float64 and out is not None:
         raise InvalidArgumentError("out: expected None with compute_dtype=torch.float64 (the oracle returns float64)")
-    view = _canonical_view(kv_cache, layout)
+    view = layout.canonical_view(kv_cache)
     kv_ptr = kv_indptr.to("cpu", torch.int64).tolist()
     q_ptr = list(range(a.num_reqs + 1)) if a.decode else q_indptr.to("cpu", torch.int64).tolist()
     result = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
