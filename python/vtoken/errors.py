@@ -5,6 +5,8 @@ form "<arg>: expected X, got Y". ``assert`` is only for internal invariants.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 
@@ -29,6 +31,16 @@ class InvalidTypeError(VTokenError, TypeError):
 
 class InvariantViolation(VTokenError, AssertionError):
     """An internal invariant (I1, I2, I4, conservation) does not hold."""
+
+
+def debug_checks_enabled() -> bool:
+    """True when ``VTOKEN_DEBUG_INVARIANTS`` is set to anything but empty or ``0``.
+
+    The one switch for the expensive checks: kernel-argument content checks and
+    the runtime invariants (I1, I2, I4). They read tensor contents, which is a
+    host sync on a GPU, so they are off by default (the test suite turns them on).
+    """
+    return os.environ.get("VTOKEN_DEBUG_INVARIANTS", "") not in ("", "0")
 
 
 def as_index_array(arg: str, value, *, allow_empty: bool = True) -> np.ndarray:

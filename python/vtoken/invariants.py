@@ -16,22 +16,20 @@ reclamation config.
 from __future__ import annotations
 
 import hashlib
-import os
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
 
-from vtoken.errors import InvariantViolation
+from vtoken.errors import InvariantViolation, debug_checks_enabled
 from vtoken.layout import KVLayout
 from vtoken.ledger import DST_INFLIGHT, OWNED, SRC_INFLIGHT
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def enabled() -> bool:
-    """True under ``VTOKEN_DEBUG_INVARIANTS=1`` (any value but empty / ``0``)."""
-    return os.environ.get("VTOKEN_DEBUG_INVARIANTS", "") not in ("", "0")
+enabled = debug_checks_enabled
+"""True under ``VTOKEN_DEBUG_INVARIANTS=1`` (any value but empty / ``0``): see :func:`vtoken.errors.debug_checks_enabled`."""
 
 
 # ----------------------------------------------------------------------- I1

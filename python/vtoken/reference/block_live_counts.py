@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_tensor
-from vtoken.reference.build_slot_lists import ALIVE_DTYPES, _capturing, _check_1d, debug_checks_enabled
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_tensor, debug_checks_enabled
+from vtoken.reference.build_slot_lists import ALIVE_DTYPES, _capturing, _check_1d
 
 ALLOCATED_DTYPES = (torch.bool, torch.int8)
 

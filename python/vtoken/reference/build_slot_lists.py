@@ -45,21 +45,14 @@ Append-only fast path (``append_slot_lists``)
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_tensor
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_tensor, debug_checks_enabled
 
 PAD = -1
 ALIVE_DTYPES = (torch.int8, torch.bool)
 OFFSET_DTYPES = (torch.int32, torch.int64)
 INT32_LIMIT = 2**31 - 1
-
-
-def debug_checks_enabled() -> bool:
-    """True under ``VTOKEN_DEBUG_INVARIANTS=1`` (host-side content checks)."""
-    return os.environ.get("VTOKEN_DEBUG_INVARIANTS", "") not in ("", "0")
 
 
 def _capturing(device: torch.device) -> bool:

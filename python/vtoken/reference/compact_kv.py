@@ -27,12 +27,10 @@ writes outside the caches) but a contract violation is not detected.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_tensor
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_tensor, debug_checks_enabled
 from vtoken.layout import KVLayout
 
 SUPPORTED_DTYPES = tuple(
@@ -51,11 +49,6 @@ SUPPORTED_DTYPES = tuple(
 
 # Integer dtype of the same element size: the copy moves bit patterns.
 INT_VIEW_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-
-
-def debug_invariants_enabled() -> bool:
-    """True when ``VTOKEN_DEBUG_INVARIANTS=1`` (expensive contract checks on)."""
-    return os.environ.get("VTOKEN_DEBUG_INVARIANTS", "").strip() == "1"
 
 
 def cache_device(kv_caches) -> torch.device:
@@ -147,7 +140,7 @@ def check_compact_kv_args(kv_caches, layout, src_slots, dst_slots, *, validate=N
             f"dst_slots: expected {src_slots.numel()} entries like src_slots, got {dst_slots.numel()}"
         )
     if validate is None:
-        validate = debug_invariants_enabled()
+        validate = debug_checks_enabled()
     if validate:
         check_slot_contract(layout, src_slots, dst_slots)
 

@@ -29,12 +29,11 @@ The validation here is shared with the Triton launcher
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_tensor
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_tensor, debug_checks_enabled
 from vtoken.layout import KVLayout
 
 ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -54,10 +53,6 @@ class TokenAttentionArgs:
     nnz_max: int
     scale: float
     decode: bool
-
-
-def _debug_checks_enabled() -> bool:
-    return os.environ.get("VTOKEN_DEBUG_INVARIANTS", "") not in ("", "0")
 
 
 def _check_indptr(arg: str, indptr: torch.Tensor, limit: int, limit_desc: str) -> None:
@@ -150,7 +145,7 @@ def validate_token_attention_args(
     nnz_max = kv_indices.numel()
 
     if content_checks is None:
-        content_checks = q.device.type == "cpu" or _debug_checks_enabled()
+        content_checks = q.device.type == "cpu" or debug_checks_enabled()
         # NOTE: reading indices syncs the host; never do it while a CUDA graph is being captured.
         if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             content_checks = False

@@ -27,11 +27,10 @@ Keys (all optional):
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from vtoken.errors import InvalidArgumentError, InvalidTypeError
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, debug_checks_enabled
 
 MODES = ("native", "naive", "vtoken")
 _KEYS = ("mode", "policy", "policy_config", "reclaim", "drop_tainted_hashes", "check_invariants")
@@ -84,7 +83,7 @@ class VTokenVLLMConfig:
     def checking(self) -> bool:
         if self.check_invariants is not None:
             return self.check_invariants
-        return os.environ.get("VTOKEN_DEBUG_INVARIANTS", "") not in ("", "0")
+        return debug_checks_enabled()
 
     def make_policy(self):
         """A fresh policy object, or None in native mode."""
