@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_tensor, debug_checks_enabled
-from vtoken.reference.build_slot_lists import ALIVE_DTYPES, _capturing, _check_1d
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, debug_checks_enabled
+from vtoken.reference.build_slot_lists import _capturing, _check_1d, _check_slots_alive
 
 ALLOCATED_DTYPES = (torch.bool, torch.int8)
 
@@ -35,12 +35,7 @@ def validate_block_live_counts_args(
     slots, alive, num_blocks, block_size, allocated=None, *, content_checks: bool | None = None,
 ) -> None:
     """Validate ``block_live_counts``'s arguments (typed "expected X, got Y" errors)."""
-    check_tensor("slots", slots, dtype=torch.int32, ndim=1)
-    device = slots.device
-    _check_1d("slots", slots, torch.int32, device)
-    _check_1d("alive", alive, ALIVE_DTYPES, device)
-    if alive.numel() != slots.numel():
-        raise InvalidTypeError(f"alive: expected shape ({slots.numel()},) like slots, got {tuple(alive.shape)}")
+    device = _check_slots_alive(slots, alive)
     for arg, v in (("num_blocks", num_blocks), ("block_size", block_size)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise InvalidTypeError(f"{arg}: expected an int, got {type(v).__name__}")

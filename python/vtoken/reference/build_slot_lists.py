@@ -67,6 +67,17 @@ def _check_1d(arg: str, t, dtype, device) -> None:
         raise InvalidArgumentError(f"{arg}: expected fewer than 2**31 elements, got {t.numel()}")
 
 
+def _check_slots_alive(slots, alive) -> torch.device:
+    """The token mirror's ``slots`` (int32) and ``alive`` (int8 / bool): 1-D, contiguous, same length and device."""
+    check_tensor("slots", slots, dtype=torch.int32, ndim=1)
+    device = slots.device
+    _check_1d("slots", slots, torch.int32, device)
+    _check_1d("alive", alive, ALIVE_DTYPES, device)
+    if alive.numel() != slots.numel():
+        raise InvalidTypeError(f"alive: expected shape ({slots.numel()},) like slots, got {tuple(alive.shape)}")
+    return device
+
+
 def validate_slot_list_args(
     slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr, slot_mapping,
     num_reqs=None, *, content_checks: bool | None = None,
@@ -79,12 +90,7 @@ def validate_slot_list_args(
     or ``VTOKEN_DEBUG_INVARIANTS=1``; never during CUDA-graph capture.
     ``content_checks=False`` skips them (the kernels' saturating behaviour).
     """
-    check_tensor("slots", slots, dtype=torch.int32, ndim=1)
-    device = slots.device
-    _check_1d("slots", slots, torch.int32, device)
-    _check_1d("alive", alive, ALIVE_DTYPES, device)
-    if alive.numel() != slots.numel():
-        raise InvalidTypeError(f"alive: expected shape ({slots.numel()},) like slots, got {tuple(alive.shape)}")
+    device = _check_slots_alive(slots, alive)
     _check_1d("mirror_offsets", mirror_offsets, OFFSET_DTYPES, device)
     if mirror_offsets.numel() < 1:
         raise InvalidTypeError("mirror_offsets: expected at least 1 element (num_reqs + 1), got 0")
