@@ -9,10 +9,7 @@ shared-memory histogram) and Triton.
 """
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 from collections import Counter
 
 import numpy as np
@@ -23,6 +20,8 @@ from vtoken import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.reference import block_live_counts as ref
 import vtoken_kernels.block_live_counts as tk
+
+from aot_helpers import compile_kernel, run_without_interpreter
 
 HAS_EXT = ops.extension_loaded() and hasattr(torch.ops.vtoken, "block_live_counts")
 PAD = -1
@@ -206,10 +205,6 @@ def test_opcheck(with_alloc):
 
 def _aot_compile_all(arch: int) -> None:
     """Compile both kernels as the launcher calls them; run in a process without TRITON_INTERPRET."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     specs = [
         ("counts", tk._block_live_counts_kernel,
          {"slots_ptr": "*i32", "alive_ptr": "*i8", "allocated_ptr": "*i8", "counts_ptr": "*i32", "acc_ptr": "*i64",
@@ -218,10 +213,7 @@ def _aot_compile_all(arch: int) -> None:
         for has_alloc in (True, False)
     ] + [("waste_ratio", tk._waste_ratio_kernel, {"acc_ptr": "*i64", "f_ptr": "*fp32", "block_size": "i32"}, {})]
     for name, kernel, signature, constexprs in specs:
-        sig = {n: signature.get(n, "constexpr") for n in kernel.arg_names}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
-                                  target=GPUTarget("cuda", arch, 32), options={"num_warps": tk.NUM_WARPS})
-        assert compiled.asm.get("cubin"), name
+        compiled = compile_kernel(kernel, signature, constexprs, arch, tk.NUM_WARPS)
         if name == "counts":
             assert "atom.global" in compiled.asm["ptx"] or "red.global" in compiled.asm["ptx"], name
         print("compiled", name, arch)
@@ -229,19 +221,9 @@ def _aot_compile_all(arch: int) -> None:
 
 @pytest.mark.parametrize("arch", [90, 80])
 def test_aot_compile_for_sm90_sm80(arch):
-    """Compile the kernels for sm_90 / sm_80 (no GPU), in a fresh process without TRITON_INTERPRET.
-
-    NOTE: in a process with TRITON_INTERPRET=1, compiling these kernels from
-    ``JITFunction(kernel.fn)`` fails in Triton 3.9's code generator
-    ("'value' object has no attribute 'dtype'" on ``tl.program_id(0).to``),
-    while the same compile succeeds in a process without it.
-    """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import test_block_live_counts as t; t._aot_compile_all({arch})"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("compiled") == 3
+    """Compile the kernels for sm_90 / sm_80 (no GPU), in a fresh process without TRITON_INTERPRET (see aot_helpers)."""
+    stdout = run_without_interpreter("test_block_live_counts", "_aot_compile_all", arch)
+    assert stdout.count("compiled") == 3
 
 
 # ----------------------------------------------------------------- GPU

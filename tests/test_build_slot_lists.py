@@ -13,10 +13,7 @@ and on GPU the CUDA op and Triton, including CUDA-graph replay.
 """
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,6 +22,8 @@ from vtoken import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.reference import build_slot_lists as ref
 import vtoken_kernels.build_slot_lists as tk
+
+from aot_helpers import compile_kernel, run_without_interpreter
 
 HAS_EXT = ops.extension_loaded() and hasattr(torch.ops.vtoken, "build_slot_lists")
 POISON = -77  # neither a slot nor PAD
@@ -464,19 +463,8 @@ def _aot_kernels():
 
 def _aot_compile_all(arch: int) -> None:
     """Compile every kernel for ``arch``; run in a process without TRITON_INTERPRET."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     for name, kernel, signature, constexprs in _aot_kernels():
-        sig = {n: signature.get(n, "constexpr") for n in kernel.arg_names}
-        assert set(sig) == set(signature) | set(constexprs), name
-        compiled = triton.compile(
-            ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
-            target=GPUTarget("cuda", arch, 32),
-            options={"num_warps": tk.NUM_WARPS},
-        )
-        assert compiled.asm.get("cubin"), name
+        compiled = compile_kernel(kernel, signature, constexprs, arch, tk.NUM_WARPS)
         if name == "append_place":
             # The in-place move's CTA barrier survived compilation.
             assert "bar.sync" in compiled.asm["ptx"] or "barrier.sync" in compiled.asm["ptx"], name
@@ -487,16 +475,10 @@ def _aot_compile_all(arch: int) -> None:
 def test_aot_compile_for_sm90_sm80(arch):
     """Compile every kernel for sm_90 / sm_80 (no GPU): catches what the interpreter tolerates.
 
-    NOTE: under TRITON_INTERPRET=1 the @triton.jit helpers these kernels call
-    are interpreter objects that the compiler rejects, so the compile runs in
-    a fresh process without it.
+    It runs in a fresh process without TRITON_INTERPRET (see aot_helpers).
     """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import test_build_slot_lists as t; t._aot_compile_all({arch})"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("compiled") == len(_aot_kernels())
+    stdout = run_without_interpreter("test_build_slot_lists", "_aot_compile_all", arch)
+    assert stdout.count("compiled") == len(_aot_kernels())
 
 
 # ----------------------------------------------------------------- GPU
