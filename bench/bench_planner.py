@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, write_json  # noqa: E402
+from common import host_time, print_table, write_json  # noqa: E402
 
 from vtoken.ledger import BlockLedger  # noqa: E402
 from vtoken.planner import make_plan, select_sources  # noqa: E402
@@ -74,13 +74,8 @@ def python_planner(slots, alive, cand_blocks, cand_live, S, max_src, dst_blocks_
 
 
 def _median_ms(fn, rep):
-    ts = []
-    for _ in range(rep):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    ts.sort()
-    return statistics.median(ts), ts[int(0.2 * (len(ts) - 1))], ts[int(0.8 * (len(ts) - 1))]
+    t = host_time(fn, warmup=0, rep=rep)
+    return t["median_us"] / 1e3, t["p20_us"] / 1e3, t["p80_us"] / 1e3
 
 
 def bench_plan(n_src: int, S: int, rep: int, seed: int = 0) -> list[dict]:

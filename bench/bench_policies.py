@@ -23,12 +23,10 @@ decision and the ratio to the baseline.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 
-from common import print_table, write_json  # noqa: E402  (bench/ is the script dir)
+from common import host_time, print_table, write_json  # noqa: E402  (bench/ is the script dir)
 
 import vtoken.policies as P  # noqa: E402
 from vtoken.policies.scores import ScoreAccumulator  # noqa: E402
@@ -36,14 +34,7 @@ from vtoken.policies.scores import ScoreAccumulator  # noqa: E402
 
 def cpu_time_us(fn, *, warmup: int = 3, rep: int = 30) -> float:
     """Median wall-clock µs of ``fn()`` (host-only work)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(rep):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(samples)
+    return host_time(fn, warmup=warmup, rep=rep)["median_us"]
 
 
 def one_case(name: str, n: int, rng: np.random.Generator) -> float:

@@ -38,6 +38,15 @@ def time_fn(fn, *, warmup: int = 3, rep: int = 20) -> dict:
 
         q = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
         return {"median_us": q[0] * 1e3, "p20_us": q[1] * 1e3, "p80_us": q[2] * 1e3}
+    return host_time(fn, warmup=warmup, rep=rep)
+
+
+def host_time(fn, *, warmup: int = 3, rep: int = 20) -> dict:
+    """Median / p20 / p80 wall-clock time of ``fn()`` in microseconds, on any machine.
+
+    For host-only work (bookkeeping, policies), also on a GPU machine: ``rep``
+    timed calls after ``warmup`` untimed ones.
+    """
     for _ in range(warmup):
         fn()
     samples = []
