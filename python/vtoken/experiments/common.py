@@ -68,6 +68,17 @@ def check_policy(name: str) -> str:
     return name
 
 
+def check_run_options(cfg, ints: Sequence[str]) -> None:
+    """The options every engine experiment config shares: ``evict_ratio`` in (0, 1),
+    ``window`` None or >= 0, each field named in ``ints`` >= 1, ``seed`` >= 0."""
+    check_ratio("evict_ratio", cfg.evict_ratio)
+    if cfg.window is not None:
+        check_int("window", cfg.window, minimum=0)
+    for name in ints:
+        check_int(name, getattr(cfg, name))
+    check_int("seed", cfg.seed, minimum=0)
+
+
 def parse_int_list(name: str, text) -> tuple:
     """``"1,2,4"`` (or a sequence of ints) as a tuple of unique ints >= 1, in the given order."""
     if isinstance(text, str):
@@ -172,6 +183,14 @@ def policy_config(name: str, evict_ratio: float, window: Optional[int] = None) -
         default = next(f.default for f in dataclasses.fields(type(get(name))) if f.name == "window")
         window = min(int(default), MAX_DEFAULT_WINDOW)
     return {"budget": round(1.0 - evict_ratio, 9), "window": int(window)}
+
+
+def resident_engine_config(cfg, num_blocks: int, reclaim: dict) -> dict:
+    """The :class:`~vtoken.engine.scheduler.EngineConfig` fields of a paired run that keeps all
+    ``cfg.requests`` requests (``cfg.prompt_len`` + ``cfg.output_len`` tokens each) resident at once."""
+    return dict(num_blocks=num_blocks, block_size=cfg.block_size, max_num_reqs=cfg.requests,
+                max_num_tokens=max(cfg.requests * cfg.prompt_len, cfg.prompt_len + cfg.output_len),
+                reclaim=reclaim)
 
 
 def headroom_blocks(num_blocks: int) -> int:

@@ -44,12 +44,13 @@ from vtoken.experiments.common import (
     Progress,
     check_int,
     check_policy,
-    check_ratio,
+    check_run_options,
     full_blocks,
     headroom_blocks,
     make_prompts,
     paired_run,
     policy_config,
+    resident_engine_config,
     warm_up,
 )
 
@@ -74,13 +75,8 @@ class DemoConfig:
         check_policy(self.policy)
         if isinstance(self.theta_f, bool) or not isinstance(self.theta_f, (int, float)) or not 0 <= self.theta_f < 1:
             raise InvalidArgumentError(f"theta_f: expected a value in [0, 1), got {self.theta_f!r}")
-        check_ratio("evict_ratio", self.evict_ratio)
-        if self.window is not None:
-            check_int("window", self.window, minimum=0)
-        for name in ("requests", "prompt_len", "output_len", "block_size"):
-            check_int(name, getattr(self, name))
+        check_run_options(self, ("requests", "prompt_len", "output_len", "block_size"))
         check_int("num_blocks", self.num_blocks, minimum=2)
-        check_int("seed", self.seed, minimum=0)
         need = self.requests * full_blocks(self.prompt_len, self.output_len, self.block_size)
         have = self.num_blocks - 1 - headroom_blocks(self.num_blocks)
         if need > have:
@@ -118,9 +114,7 @@ def run_demo(cfg: DemoConfig, *, progress: Optional[Progress] = None) -> DemoRes
     t0 = time.perf_counter()
     model = cfg.model.build()
     prompts = make_prompts(cfg.requests, cfg.prompt_len, model.config.vocab_size, cfg.seed)
-    engine_cfg = dict(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_num_reqs=cfg.requests,
-                      max_num_tokens=max(cfg.requests * cfg.prompt_len, cfg.prompt_len + cfg.output_len),
-                      reclaim=dict(EAGER_RECLAIM, theta_F=float(cfg.theta_f)))
+    engine_cfg = resident_engine_config(cfg, cfg.num_blocks, dict(EAGER_RECLAIM, theta_F=float(cfg.theta_f)))
     warm_up(model, engine_cfg, cfg.prompt_len)
     runs = paired_run(model, prompts, cfg.output_len, modes=MODES, policy=cfg.policy,
                       policy_cfg=policy_config(cfg.policy, cfg.evict_ratio, cfg.window),

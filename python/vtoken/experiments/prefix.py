@@ -50,9 +50,8 @@ from vtoken.experiments.common import (
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
-    check_int,
     check_policy,
-    check_ratio,
+    check_run_options,
     fit_num_blocks,
     full_blocks,
     make_prompts,
@@ -78,13 +77,8 @@ class PrefixConfig:
 
     def __post_init__(self):
         check_policy(self.policy)
-        check_ratio("evict_ratio", self.evict_ratio)
-        if self.window is not None:
-            check_int("window", self.window, minimum=0)
         self.degrees = parse_int_list("degrees", self.degrees)
-        for name in ("requests", "prefix_len", "suffix_len", "output_len", "block_size"):
-            check_int(name, getattr(self, name))
-        check_int("seed", self.seed, minimum=0)
+        check_run_options(self, ("requests", "prefix_len", "suffix_len", "output_len", "block_size"))
         if self.prefix_len % self.block_size:
             raise InvalidArgumentError(
                 f"prefix_len: expected a multiple of block_size ({self.block_size}): only full blocks are shared, "

@@ -26,14 +26,14 @@ from vtoken.experiments.common import (
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
-    check_int,
     check_policy,
-    check_ratio,
+    check_run_options,
     fit_num_blocks,
     full_blocks,
     make_prompts,
     paired_run,
     policy_config,
+    resident_engine_config,
     warm_up,
 )
 
@@ -62,12 +62,7 @@ class RetainedConfig:
 
     def __post_init__(self):
         self.policies = tuple(check_policy(p) for p in self.policies)
-        check_ratio("evict_ratio", self.evict_ratio)
-        if self.window is not None:
-            check_int("window", self.window, minimum=0)
-        for name in ("requests", "prompt_len", "output_len", "block_size"):
-            check_int(name, getattr(self, name))
-        check_int("seed", self.seed, minimum=0)
+        check_run_options(self, ("requests", "prompt_len", "output_len", "block_size"))
 
     @property
     def num_blocks(self) -> int:
@@ -98,9 +93,7 @@ def run_retained(cfg: RetainedConfig, *, progress: Optional[Progress] = None) ->
     t0 = time.perf_counter()
     model = cfg.model.build()
     prompts = make_prompts(cfg.requests, cfg.prompt_len, model.config.vocab_size, cfg.seed)
-    engine_cfg = dict(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_num_reqs=cfg.requests,
-                      max_num_tokens=max(cfg.requests * cfg.prompt_len, cfg.prompt_len + cfg.output_len),
-                      reclaim=dict(EAGER_RECLAIM))
+    engine_cfg = resident_engine_config(cfg, cfg.num_blocks, dict(EAGER_RECLAIM))
     warm_up(model, engine_cfg, cfg.prompt_len)
     rows = {}
     for name in cfg.policies:

@@ -49,7 +49,7 @@ from vtoken.experiments.common import (
     Progress,
     check_int,
     check_policy,
-    check_ratio,
+    check_run_options,
     make_prompts,
     parse_int_list,
     policy_config,
@@ -77,14 +77,9 @@ class SlaConfig:
 
     def __post_init__(self):
         check_policy(self.policy)
-        check_ratio("evict_ratio", self.evict_ratio)
-        if self.window is not None:
-            check_int("window", self.window, minimum=0)
         self.concurrency = parse_int_list("concurrency", self.concurrency)
-        for name in ("rounds", "prompt_len", "output_len", "block_size", "sla_concurrency"):
-            check_int(name, getattr(self, name))
+        check_run_options(self, ("rounds", "prompt_len", "output_len", "block_size", "sla_concurrency"))
         check_int("num_blocks", self.num_blocks, minimum=2)
-        check_int("seed", self.seed, minimum=0)
         if self.sla_concurrency not in self.concurrency:
             raise InvalidArgumentError(
                 f"sla_concurrency: expected one of the swept concurrencies {list(self.concurrency)}, "
