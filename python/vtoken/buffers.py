@@ -49,11 +49,11 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from vtoken import ops
+from vtoken import PAD_SLOT, ops
 from vtoken.copy_engine import StagingRing
 from vtoken.errors import InvalidArgumentError, InvariantViolation, as_index_array
 
-PAD = -1
+PAD = PAD_SLOT
 
 
 class SlotListBuffers:

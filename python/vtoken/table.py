@@ -38,11 +38,12 @@ from typing import Hashable, Optional
 
 import numpy as np
 
+from vtoken import PAD_SLOT
 from vtoken.errors import InvalidArgumentError, InvariantViolation, UnknownRequestError, as_index_array
 from vtoken.ledger import DST_INFLIGHT, FREE, OWNED, SHARED, SRC_INFLIGHT, BlockLedger
 from vtoken.pool import NULL_BLOCK
 
-PAD = -1
+PAD = PAD_SLOT
 _PRIVATE_STATES = (OWNED, SRC_INFLIGHT)
 
 

@@ -47,6 +47,7 @@ from typing import Hashable, Optional, Protocol, Sequence
 import numpy as np
 import torch
 
+from vtoken import PAD_SLOT
 from vtoken.buffers import DeviceMirror, SlotListBuffers
 from vtoken.copy_engine import StagingRing
 from vtoken.engine.kv_cache import KV_LAYOUTS
@@ -56,7 +57,7 @@ from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
 from vtoken.table import TokenTable
 
-PAD = -1
+PAD = PAD_SLOT
 
 
 class StepHooks(Protocol):

@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import torch
 
+from vtoken import PAD_SLOT
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_tensor, debug_checks_enabled
 
-PAD = -1
+PAD = PAD_SLOT
 ALIVE_DTYPES = (torch.int8, torch.bool)
 OFFSET_DTYPES = (torch.int32, torch.int64)
 INT32_LIMIT = 2**31 - 1
