@@ -20,6 +20,7 @@ from typing import Any, Optional
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.logger import init_logger
 
+from vtoken.errors import InvalidArgumentError
 from vtoken.integrations.vllm.config import VTokenVLLMConfig
 from vtoken.integrations.vllm.meta import VTokenConnectorMetadata, VTokenWorkerMetadata
 
@@ -35,9 +36,11 @@ class VTokenConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.vtoken_config = VTokenVLLMConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         if vllm_config.speculative_config is not None:
-            raise ValueError("speculative decoding: expected none with the vtoken connector, got a speculative config")
+            raise InvalidArgumentError(
+                "speculative decoding: expected none with the vtoken connector, got a speculative config"
+            )
         if getattr(vllm_config.scheduler_config, "async_scheduling", False):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "async_scheduling: expected False with the vtoken connector (the scheduler commits relocations "
                 "and evictions between steps), got True"
             )
@@ -48,17 +51,20 @@ class VTokenConnector(KVConnectorBase_V1):
             # NOTE: on CPU the plugin routes CPU_ATTN to vtoken's backend. Elsewhere a
             # block-table backend would attend dead tokens and read freed blocks.
             if not current_platform.is_cpu() and vllm_config.attention_config.backend != AttentionBackendEnum.CUSTOM:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"attention_config.backend: expected CUSTOM (vtoken's token-indexed attention) with mode "
                     f"{self.vtoken_config.mode!r}, got {vllm_config.attention_config.backend}"
                 )
         if vllm_config.use_v2_model_runner:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "model runner: expected vLLM's V1 model runner with the vtoken connector (its attention builder "
                 "needs the batch order the plugin takes from it), got Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=0"
             )
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise ValueError("pipeline_parallel_size: expected 1 with the vtoken connector")
+            raise InvalidArgumentError(
+                "pipeline_parallel_size: expected 1 with the vtoken connector, "
+                f"got {vllm_config.parallel_config.pipeline_parallel_size}"
+            )
         self.scheduler_side = None
         self.worker_side = None
         if role == KVConnectorRole.SCHEDULER:

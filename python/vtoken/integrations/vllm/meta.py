@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from vtoken.errors import InvalidArgumentError
+
 
 @dataclass
 class VTokenConnectorMetadata(KVConnectorMetadata):
@@ -52,12 +54,12 @@ class VTokenWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: "VTokenWorkerMetadata") -> "VTokenWorkerMetadata":
         if other.step != self.step:
-            raise ValueError(f"other.step: expected {self.step}, got {other.step}")
+            raise InvalidArgumentError(f"other.step: expected {self.step}, got {other.step}")
         out = {k: v.copy() for k, v in self.scores.items()}
         for k, v in other.scores.items():
             if k in out:
                 if out[k].shape != v.shape:
-                    raise ValueError(f"scores[{k!r}]: expected shape {out[k].shape}, got {v.shape}")
+                    raise InvalidArgumentError(f"scores[{k!r}]: expected shape {out[k].shape}, got {v.shape}")
                 out[k] += v
             else:
                 out[k] = np.array(v, copy=True)

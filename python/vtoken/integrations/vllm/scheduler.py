@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from vtoken.errors import InvariantViolation
+from vtoken.errors import InvalidArgumentError, InvariantViolation
 from vtoken.integrations.vllm.allocator import VLLMBlockAllocator, drop_hashes
 from vtoken.integrations.vllm.config import VTokenVLLMConfig
 from vtoken.integrations.vllm.meta import VTokenConnectorMetadata
@@ -112,7 +112,7 @@ class SchedulerSide:
 
         managers = kv_cache_manager.coordinator.single_type_managers
         if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "kv_cache_manager: expected one full-attention KV cache group (vtoken supports decoder models "
                 f"with full attention), got {[type(m).__name__ for m in managers]}"
             )
