@@ -63,24 +63,6 @@ def fingerprint_rows(token_ids, rows: Sequence[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def request_fingerprint(table, req, kv_caches: Sequence[torch.Tensor], layout: Optional[KVLayout]) -> str:
-    """I1 hash of ``req``: its live ids in logical order, then their K/V bytes per layer."""
-    slots = table.live_slots(req)
-    rows = [gather_token_rows(c, layout, slots) for c in (kv_caches or [])]
-    return fingerprint_rows(table.live_ids(req), rows)
-
-
-def fingerprints(table, reqs: Iterable, kv_caches, layout) -> dict:
-    return {r: request_fingerprint(table, r, kv_caches, layout) for r in reqs}
-
-
-def check_fingerprints(before: dict, after: dict) -> None:
-    """I1: the same hash for every request hashed before the relocation."""
-    for req, h in before.items():
-        if after.get(req) != h:
-            raise InvariantViolation(f"I1: live ids / K/V bytes of request {req!r} changed across a relocation")
-
-
 # ----------------------------------------------------------------------- I2
 def check_mapping(table, mirror=None) -> None:
     """I2 plus conservation and live-count recounts; the device mirror against the table."""

@@ -29,7 +29,7 @@ from typing import Optional
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError
+from vtoken.errors import InvalidArgumentError, InvariantViolation
 from vtoken.pool import NULL_BLOCK, BlockAllocator
 
 FREE, OWNED, SHARED, SRC_INFLIGHT, DST_INFLIGHT = 0, 1, 2, 3, 4
@@ -182,8 +182,6 @@ class BlockLedger:
 
     # --- checks ------------------------------------------------------------
     def check_conservation(self) -> None:
-        from vtoken.errors import InvariantViolation
-
         counts = np.bincount(self.state[1:], minlength=len(STATE_NAMES))
         if not np.array_equal(counts[1:], self._count[1:]):
             raise InvariantViolation(f"ledger state counts {self._count.tolist()} != recount {counts.tolist()}")

@@ -789,7 +789,7 @@ class TokenTable:
     def finish(self, req) -> np.ndarray:
         """Drop ``req``: free every block it owns, unreference shared ones. Returns the freed ids."""
         row = self.row_of(req)
-        led, S = self.ledger, self.S
+        led = self.ledger
         blist = self._block_list_view(row)
         held = blist[blist != NULL_BLOCK].astype(np.int64)
         private = held[led.state[held] != SHARED]
