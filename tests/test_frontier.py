@@ -77,13 +77,23 @@ def test_headroom_counts_inside_the_budget():
     assert res.modes["vtoken"].best.headroom_blocks == 2
 
 
-def test_engine_driver_by_hand(monkeypatch):
-    """The engine runs the model; a 4th request is preempted at the first decode step."""
-    monkeypatch.setenv("VTOKEN_BACKEND", "torch")  # the reference kernels: the Triton interpreter is slow
-    cfg = hand_cfg(trace_only=False)
+@pytest.fixture
+def tiny_model(monkeypatch):
+    """The tiny engine model on the torch reference kernels (the Triton interpreter is slow), 1 CPU thread."""
+    import torch
+
     from vtoken.experiments.common import ModelSpec
 
-    model = ModelSpec(device="cpu").build()
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    threads = torch.get_num_threads()
+    yield ModelSpec(device="cpu", threads=1).build()  # tiny matmuls: extra threads only wait (see common)
+    torch.set_num_threads(threads)
+
+
+def test_engine_driver_by_hand(tiny_model):
+    """The engine runs the model; a 4th request is preempted at the first decode step."""
+    cfg = hand_cfg(trace_only=False)
+    model = tiny_model
     ok = simulate_engine(cfg, "native", 3, model)
     assert ok.feasible and ok.peak_allocated_blocks == 6 and ok.final_blocks_per_request == 2.0
     bad = simulate_engine(cfg, "native", 4, model)
@@ -92,11 +102,10 @@ def test_engine_driver_by_hand(monkeypatch):
     assert not queued.feasible and queued.reason.startswith("queued: 1 of 4 requests waiting")
 
 
-def test_engine_frontier(monkeypatch):
+def test_engine_frontier(tiny_model):
     """The whole search on the engine (model forward, real attention): the same ordering as trace-only."""
-    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
     cfg = FrontierConfig(num_blocks=49, block_size=4, prompt_len=32, output_len=33)
-    res = run_frontier(cfg)
+    res = run_frontier(cfg, model=tiny_model)
     mc, bpr = res.max_concurrency, res.blocks_per_request
     assert res.full_blocks_per_request == 16 and res.ideal_packed_blocks_per_request == 8
     assert mc["native"] == 48 // 16 == run_frontier(FrontierConfig(**{**cfg.to_dict(), "trace_only": True,

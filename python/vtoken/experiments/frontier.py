@@ -71,7 +71,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError, InvalidTypeError
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation
 from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
 from vtoken.reclaim import MODES, ReclaimConfig, ReclamationManager
@@ -87,15 +87,15 @@ PRESETS = {
 # Reclamation of the frontier runs: continuous, so that vtoken stays at the packed size.
 # NOTE (measured on paper-0.50 at C = 22, random policy, trace-only; bench/RESULTS.md):
 # - ReclaimConfig's defaults fail at step 17: the 2% reserve (231 blocks) is more
-#   than the slack, and theta_F = 0.25 never fires anyway, since the steady
-#   state's waste ratio is ~0.2% (theta_F = 0.05 also never fires: fails at step 145);
-# - the trigger must be checked every step (check_interval = 1; 8 measured the
-#   same, since a pending reclamation is rechecked every step anyway) at any free count;
+#   than the slack, and theta_F = 0.25 would never fire anyway, since the steady
+#   state's waste ratio is ~0.2% (theta_F = 0.05 never fires either: fails at step 161);
+# - the trigger is checked every step (check_interval = 1; 8 measured the same,
+#   since a pending reclamation is rechecked every step anyway) at any free count;
 # - the reserve must cover one step's destinations: scattered holes leave sources
 #   with S - 1 live tokens, so one freed block takes ~S - 1 destinations, and C
 #   requests grow by C / S blocks per step, i.e. ~C * (S - 1) / S destinations
-#   per step. Headroom 16 failed at step 625, 24 passed at 518 blocks/request,
-#   32 / 48 / 96 passed at 513.9 / 513.9 / 513.7. See headroom_for().
+#   per step. Headroom 16 failed at step 609, 24 passed at 519.5 blocks/request,
+#   31 (headroom_for(22, 16)) and 32 at 513.9, the packed size plus the tail.
 FRONTIER_RECLAIM = {
     "theta_F": 0.0,
     "low_watermark": 1.0,
@@ -532,7 +532,7 @@ def simulate_trace_only(cfg: FrontierConfig, mode: str, C: int, trace: Optional[
         mgr.finish_request(r)
     ledger.check_conservation()
     if ledger.num_free != ledger.usable_blocks:  # every block came back: nothing leaked
-        raise AssertionError(f"{ledger.usable_blocks - ledger.num_free} blocks leaked")
+        raise InvariantViolation(f"{ledger.usable_blocks - ledger.num_free} blocks leaked after the run")
     return out
 
 
