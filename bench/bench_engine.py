@@ -309,8 +309,8 @@ def part_graph_vs_eager(sz, device, graphs: bool) -> dict:
     same = graph["outputs"] == eager["outputs"]
     first_diff = None
     if not same:
-        first_diff = next((i, j) for i, (g, e) in enumerate(zip(graph["outputs"], eager["outputs"]))
-                          for j in range(len(e)) if g[j] != e[j])
+        first_diff = next(((i, j) for i, (g, e) in enumerate(zip(graph["outputs"], eager["outputs"]))
+                           for j in range(min(len(g), len(e))) if g[j] != e[j]), "lengths")
     ok = (same and graph["relocated"] > 0 and eager["relocated"] > 0 and graph["replays"] == graph["decode_steps"]
           and eager["replays"] == 0 and graph["preemptions"] == eager["preemptions"] == 0)
     row.update(result="PASS" if ok else "FAIL", outputs_identical=same, graph_relocated_tokens=graph["relocated"],

@@ -72,7 +72,8 @@ echo "gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ), budget ${BUDGET} s$([ "$DRY" = 
 if [ "$DRY" = 1 ]; then
   echo "dry run: nvidia-smi skipped"
 else
-  timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total,mig.mode.current --format=csv,noheader || true
+  timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total,mig.mode.current --format=csv,noheader ||
+    timeout 30 nvidia-smi -L || true
 fi
 timeout 60 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available())"
 
