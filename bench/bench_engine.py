@@ -57,6 +57,7 @@ Exit status: 1 if a part failed (FAIL or an error), else 0.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -454,10 +455,11 @@ def main(argv=None) -> int:
                                              "gpu_util_max_pct")} for r in nvml]
         if not sampler.available:
             rows.append({"part": "nvml", "result": "SKIP", "note": sampler.reason})
-        write_json("engine", {"summary": rows, "details": details, "device_type": device.type, "quick": not gpu,
-                              "nvml": {**sampler.info, "status": "ok" if sampler.available else sampler.reason,
-                                       "per_part": nvml},
-                              "seconds": time.perf_counter() - t_start})
+        payload = {"summary": rows, "details": details, "device_type": device.type, "quick": not gpu,
+                   "nvml": {**sampler.info, "status": "ok" if sampler.available else sampler.reason, "per_part": nvml},
+                   "seconds": time.perf_counter() - t_start}
+        # numpy scalars (and anything else json cannot take) as plain values, so a save never fails
+        write_json("engine", json.loads(json.dumps(payload, default=lambda o: o.item() if hasattr(o, "item") else str(o))))
 
     def run_part(name, fn):
         t0 = time.perf_counter()
