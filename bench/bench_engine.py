@@ -459,7 +459,8 @@ def main(argv=None) -> int:
                    "nvml": {**sampler.info, "status": "ok" if sampler.available else sampler.reason, "per_part": nvml},
                    "seconds": time.perf_counter() - t_start}
         # numpy scalars (and anything else json cannot take) as plain values, so a save never fails
-        write_json("engine", json.loads(json.dumps(payload, default=lambda o: o.item() if hasattr(o, "item") else str(o))))
+        plain = json.loads(json.dumps(payload, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+        write_json("engine", plain)
 
     def run_part(name, fn):
         t0 = time.perf_counter()
