@@ -8,7 +8,7 @@ falls back to Triton / torch reference kernels (see ``vtoken.ops``).
 
 Install without build isolation so the extension builds against the torch you
 already have (an isolated build would pull a different torch):
-    pip install --no-build-isolation -e .
+    pip install --no-build-isolation --use-pep517 -e .
 """
 import os
 import shutil
