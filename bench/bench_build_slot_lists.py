@@ -37,22 +37,27 @@ import argparse
 import os
 import sys
 
-# NOTE: must precede any triton import: without CUDA, Triton only runs in the
-# interpreter. The debug flag would add a host sync per call.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    bench_device,
+    copy_bandwidth_gbs,
+    gbs,
+    on_gpu,
+    prepare_kernel_env,
+    print_table,
+    time_fn,
+    time_graph,
+    write_json,
+)
+
+prepare_kernel_env()  # before vtoken / triton imports
 import torch  # noqa: E402
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ["VTOKEN_DEBUG_INVARIANTS"] = "0"
-
-from common import bench_device, copy_bandwidth_gbs, gbs, on_gpu, print_table, time_fn, time_graph, write_json  # noqa: E402
-
-from vtoken import ops  # noqa: E402
+from vtoken import PAD_SLOT, ops  # noqa: E402
 from vtoken.reference import build_slot_lists as ref  # noqa: E402
 import vtoken_kernels.build_slot_lists as tk  # noqa: E402
 
-PAD = -1
+PAD = PAD_SLOT
 
 
 class Case:

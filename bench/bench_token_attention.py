@@ -30,16 +30,19 @@ import math
 import os
 import sys
 
-# NOTE: must precede any triton import: on a machine without CUDA the Triton
-# kernel can only run in the interpreter. The debug flag would add host syncs.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    copy_bandwidth_gbs,
+    gbs,
+    on_gpu,
+    prepare_kernel_env,
+    print_table,
+    time_fn,
+    write_json,
+)
+
+prepare_kernel_env()  # before vtoken / triton imports
 import torch  # noqa: E402
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ["VTOKEN_DEBUG_INVARIANTS"] = "0"
-
-from common import copy_bandwidth_gbs, gbs, on_gpu, print_table, time_fn, write_json  # noqa: E402
 
 from vtoken.layout import KVLayout, kv_cache_shape  # noqa: E402
 from vtoken.reference import token_attention as ref_mod  # noqa: E402

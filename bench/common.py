@@ -19,6 +19,18 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 
+def prepare_kernel_env() -> None:
+    """Set up the environment for a kernel benchmark; call it before importing vtoken.
+
+    NOTE: it must precede any Triton import: without CUDA, Triton kernels only
+    run in the interpreter. The debug flag is forced off because its contract
+    checks would add host work (and syncs) to every timed call.
+    """
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ["VTOKEN_DEBUG_INVARIANTS"] = "0"
+
+
 def on_gpu() -> bool:
     return torch.cuda.is_available()
 
