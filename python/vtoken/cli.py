@@ -65,9 +65,8 @@ def _run_fragmentation(args) -> int:
 
 
 def _add_demo(sub) -> None:
-    from vtoken.experiments.common import add_model_args, add_output_args
+    from vtoken.experiments.common import add_model_args, add_output_args, add_workload_args
     from vtoken.experiments.demo import DemoConfig
-    from vtoken.policies import available
 
     d = DemoConfig()
     p = sub.add_parser(
@@ -78,21 +77,13 @@ def _add_demo(sub) -> None:
         "peak blocks, tokens/s and the max feasible concurrency at the block budget, and whether the greedy "
         "outputs of naive and vtoken are identical.",
     )
-    p.add_argument("--policy", choices=available(), default=d.policy, help="eviction policy (default %(default)s)")
-    p.add_argument("--evict-ratio", type=float, default=d.evict_ratio,
-                   help="fraction of each request's tokens the policy evicts (default %(default)s)")
-    p.add_argument("--window", type=int, default=None,
-                   help="the policy's protected recent window (default: its own, at most 32)")
+    add_workload_args(p, d)
     p.add_argument("--requests", type=int, default=d.requests,
                    help="requests, all resident at once (default %(default)s)")
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens (default %(default)s)")
-    p.add_argument("--output-len", type=int, default=d.output_len, help="generated tokens (default %(default)s)")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default %(default)s)")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks,
                    help="KV blocks in the pool, the null block included (default %(default)s)")
     p.add_argument("--theta-f", type=float, default=d.theta_f,
                    help="vtoken reclaims while the pool's waste ratio F exceeds this (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="prompts and model weights seed (default %(default)s)")
     add_model_args(p)
     add_output_args(p)
     p.set_defaults(func=_run_demo, parser=p)
@@ -117,7 +108,7 @@ def _run_demo(args) -> int:
 
 
 def _add_retained(sub) -> None:
-    from vtoken.experiments.common import add_model_args, add_output_args
+    from vtoken.experiments.common import add_model_args, add_output_args, add_workload_args
     from vtoken.experiments.retained import RetainedConfig
 
     d = RetainedConfig()
@@ -129,15 +120,8 @@ def _add_retained(sub) -> None:
     )
     p.add_argument("--policies", default=",".join(d.policies),
                    help="comma-separated policies (default: all: %(default)s)")
-    p.add_argument("--evict-ratio", type=float, default=d.evict_ratio,
-                   help="fraction of each request's tokens evicted (default %(default)s)")
-    p.add_argument("--window", type=int, default=None,
-                   help="every policy's protected recent window (default: its own, at most 32)")
+    add_workload_args(p, d, policy=False)
     p.add_argument("--requests", type=int, default=d.requests, help="requests (default %(default)s)")
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens (default %(default)s)")
-    p.add_argument("--output-len", type=int, default=d.output_len, help="generated tokens (default %(default)s)")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="prompts and model weights seed (default %(default)s)")
     add_model_args(p)
     add_output_args(p)
     p.set_defaults(func=_run_retained, parser=p)
@@ -162,9 +146,8 @@ def _run_retained(args) -> int:
 
 
 def _add_sla(sub) -> None:
-    from vtoken.experiments.common import add_model_args, add_output_args
+    from vtoken.experiments.common import add_model_args, add_output_args, add_workload_args
     from vtoken.experiments.sla import SlaConfig
-    from vtoken.policies import available
 
     d = SlaConfig()
     p = sub.add_parser(
@@ -174,24 +157,16 @@ def _add_sla(sub) -> None:
         "native, naive and vtoken modes; report throughput and p95 per-token latency, and each mode's best "
         "throughput whose p95 stays within sla-factor x naive's p95 at C = sla-concurrency.",
     )
-    p.add_argument("--policy", choices=available(), default=d.policy, help="eviction policy (default %(default)s)")
-    p.add_argument("--evict-ratio", type=float, default=d.evict_ratio,
-                   help="fraction of each request's tokens evicted (default %(default)s)")
-    p.add_argument("--window", type=int, default=None,
-                   help="the policy's protected recent window (default: its own, at most 32)")
+    add_workload_args(p, d)
     p.add_argument("--concurrency", default=",".join(map(str, d.concurrency)),
                    help="comma-separated concurrencies to sweep (default %(default)s)")
     p.add_argument("--rounds", type=int, default=d.rounds, help="requests per point = rounds x C (default %(default)s)")
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens (default %(default)s)")
-    p.add_argument("--output-len", type=int, default=d.output_len, help="generated tokens (default %(default)s)")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default %(default)s)")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks,
                    help="KV blocks in the pool, the null block included (default %(default)s)")
     p.add_argument("--sla-concurrency", type=int, default=d.sla_concurrency,
                    help="the SLA is set by naive's p95 at this concurrency (default %(default)s)")
     p.add_argument("--sla-factor", type=float, default=d.sla_factor,
                    help="SLA = this x naive's p95 per-token latency (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="prompts and model weights seed (default %(default)s)")
     add_model_args(p)
     add_output_args(p)
     p.set_defaults(func=_run_sla, parser=p)
@@ -217,9 +192,8 @@ def _run_sla(args) -> int:
 
 
 def _add_prefix(sub) -> None:
-    from vtoken.experiments.common import add_model_args, add_output_args
+    from vtoken.experiments.common import add_model_args, add_output_args, add_workload_args
     from vtoken.experiments.prefix import PrefixConfig
-    from vtoken.policies import available
 
     d = PrefixConfig()
     p = sub.add_parser(
@@ -235,14 +209,7 @@ def _add_prefix(sub) -> None:
     p.add_argument("--prefix-len", type=int, default=d.prefix_len,
                    help="shared prefix tokens, a multiple of --block-size (default %(default)s)")
     p.add_argument("--suffix-len", type=int, default=d.suffix_len, help="private suffix tokens (default %(default)s)")
-    p.add_argument("--output-len", type=int, default=d.output_len, help="generated tokens (default %(default)s)")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default %(default)s)")
-    p.add_argument("--policy", choices=available(), default=d.policy, help="eviction policy (default %(default)s)")
-    p.add_argument("--evict-ratio", type=float, default=d.evict_ratio,
-                   help="fraction of each request's tokens evicted (default %(default)s)")
-    p.add_argument("--window", type=int, default=None,
-                   help="the policy's protected recent window (default: its own, at most 32)")
-    p.add_argument("--seed", type=int, default=d.seed, help="prompts and model weights seed (default %(default)s)")
+    add_workload_args(p, d, prompt_len=False)
     add_model_args(p)
     add_output_args(p)
     p.set_defaults(func=_run_prefix, parser=p)

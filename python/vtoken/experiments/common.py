@@ -387,6 +387,32 @@ def add_model_args(p, *, device: bool = True) -> None:
                    help="CPU intra-op threads (default %(default)s: the tiny model's ops are too small to share)")
 
 
+def add_workload_args(p, defaults, *, policy: bool = True, prompt_len: bool = True) -> None:
+    """The workload options the engine experiments share, defaults from their config dataclass.
+
+    ``--policy`` (optional), ``--evict-ratio``, ``--window``, ``--prompt-len``
+    (optional), ``--output-len``, ``--block-size``, ``--seed``.
+    """
+    if policy:
+        from vtoken.policies import available
+
+        p.add_argument("--policy", choices=available(), default=defaults.policy,
+                       help="eviction policy (default %(default)s)")
+    p.add_argument("--evict-ratio", type=float, default=defaults.evict_ratio,
+                   help="fraction of each request's tokens evicted (default %(default)s)")
+    p.add_argument("--window", type=int, default=None,
+                   help="the policy's protected recent window (default: the policy's own, at most 32)")
+    if prompt_len:
+        p.add_argument("--prompt-len", type=int, default=defaults.prompt_len,
+                       help="prompt tokens (default %(default)s)")
+    p.add_argument("--output-len", type=int, default=defaults.output_len,
+                   help="generated tokens (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=defaults.block_size,
+                   help="tokens per KV block (default %(default)s)")
+    p.add_argument("--seed", type=int, default=defaults.seed,
+                   help="prompts and model weights seed (default %(default)s)")
+
+
 def add_output_args(p) -> None:
     """``--json`` and ``--plot``."""
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of the table")
