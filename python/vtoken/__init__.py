@@ -8,3 +8,8 @@ __version__ = "0.1.0"
 
 PAD_SLOT = -1
 """Slot sentinel meaning "no slot". Every kernel skips it."""
+
+
+def cdiv(a, b):
+    """Ceiling division for ints and integer numpy arrays (``-(-a // b)``)."""
+    return -(-a // b)

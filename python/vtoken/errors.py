@@ -5,13 +5,17 @@ form "<arg>: expected X, got Y". ``assert`` is only for internal invariants.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-
-class VTokenError(Exception):
-    """Base class of every error vtoken raises on purpose."""
+# NOTE: the base classes, debug_checks_enabled and check_tensor live with the kernel
+# contracts (vtoken_kernels never imports vtoken); re-exported here for the runtime.
+from vtoken_kernels.errors import (  # noqa: F401
+    InvalidArgumentError,
+    InvalidTypeError,
+    VTokenError,
+    check_tensor,
+    debug_checks_enabled,
+)
 
 
 class UnknownRequestError(VTokenError, KeyError):
@@ -21,26 +25,8 @@ class UnknownRequestError(VTokenError, KeyError):
         return str(self.args[0]) if self.args else "unknown request"
 
 
-class InvalidArgumentError(VTokenError, ValueError):
-    """A value outside its contract (range, uniqueness, liveness, ownership)."""
-
-
-class InvalidTypeError(VTokenError, TypeError):
-    """A wrong dtype, shape or Python type."""
-
-
 class InvariantViolation(VTokenError, AssertionError):
     """An internal invariant (I1, I2, I4, conservation) does not hold."""
-
-
-def debug_checks_enabled() -> bool:
-    """True when ``VTOKEN_DEBUG_INVARIANTS`` is set to anything but empty or ``0``.
-
-    The one switch for the expensive checks: kernel-argument content checks and
-    the runtime invariants (I1, I2, I4). They read tensor contents, which is a
-    host sync on a GPU, so they are off by default (the test suite turns them on).
-    """
-    return os.environ.get("VTOKEN_DEBUG_INVARIANTS", "") not in ("", "0")
 
 
 def as_index_array(arg: str, value, *, allow_empty: bool = True) -> np.ndarray:
@@ -63,21 +49,20 @@ def as_index_array(arg: str, value, *, allow_empty: bool = True) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def check_tensor(arg: str, t, *, dtype=None, ndim=None, shape=None, device=None):
-    """Validate a torch tensor: "expected X, got Y" errors naming ``arg``."""
-    import torch
+def is_int(value) -> bool:
+    """A Python or numpy integer, and not a bool (``True`` is never a count)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
-    if not isinstance(t, torch.Tensor):
-        raise InvalidTypeError(f"{arg}: expected a torch.Tensor, got {type(t).__name__}")
-    if dtype is not None:
-        allowed = dtype if isinstance(dtype, (tuple, list)) else (dtype,)
-        if t.dtype not in allowed:
-            raise InvalidTypeError(f"{arg}: expected dtype in {list(allowed)}, got {t.dtype}")
-    if ndim is not None and t.dim() != ndim:
-        raise InvalidTypeError(f"{arg}: expected {ndim} dims, got shape {tuple(t.shape)}")
-    if shape is not None:
-        if len(shape) != t.dim() or any(s is not None and s != d for s, d in zip(shape, t.shape)):
-            raise InvalidTypeError(f"{arg}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if device is not None and t.device != torch.device(device):
-        raise InvalidArgumentError(f"{arg}: expected device {device}, got {t.device}")
-    return t
+
+def check_int(arg: str, value, *, min_value: int = 0, max_value=None) -> int:
+    """Return ``value`` as an int in ``[min_value, max_value]``, or raise naming ``arg``.
+
+    Bools and floats are rejected with :class:`InvalidTypeError`; an int out of
+    range with :class:`InvalidArgumentError`.
+    """
+    if not is_int(value):
+        raise InvalidTypeError(f"{arg}: expected an int >= {min_value}, got {type(value).__name__} {value!r}")
+    if value < min_value or (max_value is not None and value > max_value):
+        bound = f"in [{min_value}, {max_value}]" if max_value is not None else f">= {min_value}"
+        raise InvalidArgumentError(f"{arg}: expected an int {bound}, got {int(value)}")
+    return int(value)
