@@ -104,6 +104,11 @@ class TokenTable:
         self._rows: dict[Hashable, int] = {}
         self._row_req: list = [None] * nrows
         self._free_rows: list[int] = list(range(nrows - 1, -1, -1))
+        # NOTE: a row and an id can both be reused (finish, then add_request of the
+        # same id); the registration number tells a holder of an old (req, row)
+        # pair, such as a relocation plan, that it is stale.
+        self._registrations = 0
+        self._generation: dict[Hashable, int] = {}
         # NOTE: blocks that received moved tokens since the table allocated them.
         # A move may land on a dead token's slot, overwriting K/V that a shared
         # prefix would still need, while the slot table looks unmodified; such
@@ -132,6 +137,11 @@ class TokenTable:
             for r in reqs:
                 self.row_of(r)  # raises, naming the first unknown request
             raise
+
+    def generation(self, req) -> int:
+        """A number unique to this registration of ``req`` (a re-registered id gets a new one)."""
+        self.row_of(req)
+        return self._generation[req]
 
     def request_of(self, row: int):
         return self._row_req[row]
@@ -332,6 +342,8 @@ class TokenTable:
 
         row = self._new_row()
         self._rows[req] = row
+        self._registrations += 1
+        self._generation[req] = self._registrations
         self._row_req[row] = req
         self._in_use[row] = True
         self._base[row] = self._end
@@ -808,6 +820,7 @@ class TokenTable:
         self._in_use[row] = False
         self._ntok[row] = self._nlive[row] = self._cap[row] = 0
         del self._rows[req]
+        del self._generation[req]
         self._row_req[row] = None
         self._free_rows.append(row)
         return private.astype(np.int32)
