@@ -471,16 +471,16 @@ def test_moves_into_the_tails_future_slots_are_rejected():
 # ------------------------------------------------------------ invariants
 def corruptions():
     def live(t):
-        t.ledger.live[t.block_list("a")[1]] += 1
+        t.ledger._live[t.block_list("a")[1]] += 1
 
     def total_live(t):
         t.ledger.total_live += 1
 
     def two_owners(t):
-        t._slots[t._base[t.row_of("a")] + 1] = t._slots[t._base[t.row_of("a")] + 2]
+        t.arena.slots[t.arena.base[t.row_of("a")] + 1] = t.arena.slots[t.arena.base[t.row_of("a")] + 2]
 
     def state(t):
-        t.ledger.state[t.block_list("a")[0]] = FREE
+        t.ledger._state[t.block_list("a")[0]] = FREE
 
     def state_count(t):
         t.ledger._count[OWNED] += 1
@@ -489,13 +489,13 @@ def corruptions():
         t._nlive[t.row_of("a")] -= 1
 
     def foreign(t):
-        t._slots[t._base[t.row_of("a")] + 1] = t.block_list("b")[0] * t.S + 9
+        t.arena.slots[t.arena.base[t.row_of("a")] + 1] = t.block_list("b")[0] * t.S + 9
 
     def block_list(t):
-        t._blocks[t._base[t.row_of("a")] // t.S + 1] = t.block_list("b")[0]
+        t.arena.blocks[t.arena.base[t.row_of("a")] // t.S + 1] = t.block_list("b")[0]
 
     def pos(t):
-        t.ledger.pos[t.block_list("a")[0]] = 3
+        t.ledger._pos[t.block_list("a")[0]] = 3
 
     return [live, total_live, two_owners, state, state_count, nlive, foreign, block_list, pos]
 
@@ -592,8 +592,8 @@ BAD_CALLS = [
      "new_slots: expected a 1-D array"),
     ("float_counts", lambda t: t.sync_new_tokens_batch(["a"], np.array([1.0])), InvalidTypeError, "counts: "),
     ("2d_counts", lambda t: t.sync_new_tokens_batch(["a"], np.array([[1]])), InvalidTypeError, "counts: expected a 1-D"),
-    ("float_n", lambda t: t.sync_new_tokens("a", 1.0), InvalidArgumentError, "n: "),
-    ("bool_n", lambda t: t.sync_new_tokens("a", True), InvalidArgumentError, "n: "),
+    ("float_n", lambda t: t.sync_new_tokens("a", 1.0), InvalidTypeError, "n: "),
+    ("bool_n", lambda t: t.sync_new_tokens("a", True), InvalidTypeError, "n: "),
     ("negative_n", lambda t: t.sync_new_tokens("a", -2), InvalidArgumentError, "n: "),
     ("negative_count", lambda t: t.sync_new_tokens_batch(["a", "b"], [1, -1]), InvalidArgumentError, "counts: "),
     ("count_length", lambda t: t.sync_new_tokens_batch(["a", "b"], [1]), InvalidArgumentError, "counts: expected 2"),

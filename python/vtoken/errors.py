@@ -66,3 +66,16 @@ def check_int(arg: str, value, *, min_value: int = 0, max_value=None) -> int:
         bound = f"in [{min_value}, {max_value}]" if max_value is not None else f">= {min_value}"
         raise InvalidArgumentError(f"{arg}: expected an int {bound}, got {int(value)}")
     return int(value)
+
+
+def has_duplicates(a: np.ndarray) -> bool:
+    """Whether ``a`` repeats a value.
+
+    NOTE: np.unique is hash-based in numpy 2.x and several times slower than a
+    sort on the small arrays of a decode step; strictly increasing input (the
+    common case) costs a single comparison pass.
+    """
+    if len(a) < 2 or (a[1:] > a[:-1]).all():
+        return False
+    s = np.sort(a)
+    return bool((s[1:] == s[:-1]).any())

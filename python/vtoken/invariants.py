@@ -1,10 +1,10 @@
-"""Runtime invariants of relocation (ARCHITECTURE.md §5.7).
+"""Runtime invariants of the token table and of relocation (docs/architecture.md).
 
 * **I1** (content): per request, a hash of the ordered live token ids plus
   their K/V bytes in every layer is the same before and after a relocation.
 * **I2** (mapping): every live token has exactly one slot and no slot has two
   owners; the ledger's counts equal a recount; conservation
-  (:meth:`vtoken.table.TokenTable.check_invariants`); and the device mirror,
+  (:func:`check_table`); and the device mirror,
   when there is one, equals the table.
 * **I4** (plan gates): :func:`check_plan` / :func:`check_plans`.
 
@@ -21,9 +21,10 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from vtoken.errors import InvariantViolation, debug_checks_enabled
+from vtoken.errors import InvariantViolation, debug_checks_enabled, has_duplicates
 from vtoken.layout import KVLayout
-from vtoken.ledger import DST_INFLIGHT, OWNED, SRC_INFLIGHT
+from vtoken.ledger import DST_INFLIGHT, FREE, OWNED, SHARED, SRC_INFLIGHT
+from vtoken.pool import NULL_BLOCK
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -64,6 +65,65 @@ def fingerprint_rows(token_ids, rows: Sequence[torch.Tensor]) -> str:
 
 
 # ----------------------------------------------------------------------- I2
+def check_table(table) -> None:
+    """Conservation, I2 (unique mapping) and live counts vs a recount, for a TokenTable. O(tokens + blocks)."""
+    led, S, arena = table.ledger, table.S, table.arena
+    led.check_conservation()
+    recount = np.zeros(led.num_blocks, dtype=np.int64)
+    private_slots = []
+    list_refs = np.zeros(led.num_blocks, dtype=np.int64)
+    for req, row in table._rows.items():
+        n = int(arena.ntok[row])
+        mask = arena.alive_range(row, 0, n)
+        if int(mask.sum()) != int(table._nlive[row]):
+            raise InvariantViolation(f"request {req!r}: live count {int(table._nlive[row])} != recount {int(mask.sum())}")
+        base = int(arena.base[row])
+        live_slots = arena.slots[base : base + n][mask].astype(np.int64)
+        tids = np.nonzero(mask)[0]
+        if live_slots.size and (live_slots < S).any():
+            raise InvariantViolation(f"request {req!r}: a live token has no slot")
+        blocks = live_slots // S
+        st = led.state[blocks]
+        mine = np.isin(st, (OWNED, SRC_INFLIGHT)) & (led.owner[blocks] == row)
+        sh = st == SHARED
+        if not (mine | sh).all():
+            raise InvariantViolation(f"request {req!r}: live tokens in blocks it does not own: {np.unique(blocks[~(mine | sh)])[:8].tolist()}")
+        for b in np.unique(blocks[sh]).tolist():
+            if row not in led.holders[b]:
+                raise InvariantViolation(f"request {req!r}: token in shared block {b} it does not hold")
+        exp = (led.pos[blocks[sh]].astype(np.int64) * S + (live_slots[sh] % S))
+        if not np.array_equal(exp, tids[sh]):
+            raise InvariantViolation(f"request {req!r}: shared-block token at the wrong position")
+        np.add.at(recount, blocks[mine], 1)
+        private_slots.append(live_slots[mine])
+        blist = arena.block_list(row)
+        held = blist[blist != NULL_BLOCK]
+        np.add.at(list_refs, held, 1)
+        for p, b in zip(np.nonzero(blist != NULL_BLOCK)[0].tolist(), held.tolist()):
+            if led.pos[b] != p or not (led.owner[b] == row or (led.state[b] == SHARED and row in led.holders[b])):
+                raise InvariantViolation(f"request {req!r}: block {b} at list position {p} is not recorded there")
+    allp = np.concatenate(private_slots) if private_slots else np.zeros(0, np.int64)
+    if has_duplicates(allp):
+        raise InvariantViolation("I2: a slot is held by two live tokens")
+    for b in led.holders:
+        recount[b] = table.shared.union_live(b)
+    allocated = led.state != FREE
+    allocated[NULL_BLOCK] = False
+    if not np.array_equal(recount[allocated], led.live[allocated].astype(np.int64)):
+        bad = np.nonzero(allocated & (recount != led.live))[0]
+        raise InvariantViolation(f"ledger live counts differ from a recount at blocks {bad[:8].tolist()}")
+    in_list = np.isin(led.state, (OWNED, SHARED, SRC_INFLIGHT))
+    in_list[NULL_BLOCK] = False
+    expected_refs = np.where(led.state == SHARED, 0, 1)
+    for b, h in led.holders.items():
+        expected_refs[b] = len(h)
+    if not np.array_equal(list_refs[in_list], expected_refs[in_list]):
+        bad = np.nonzero(in_list & (list_refs != expected_refs))[0]
+        raise InvariantViolation(f"blocks not listed exactly once per holder: {bad[:8].tolist()}")
+    if (list_refs[~in_list] != 0).any():
+        raise InvariantViolation("a free or in-flight destination block appears in a block list")
+
+
 def check_mapping(table, mirror=None) -> None:
     """I2 plus conservation and live-count recounts; the device mirror against the table."""
     table.check_invariants()

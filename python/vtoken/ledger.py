@@ -17,11 +17,13 @@ holds after every operation: ``free + owned + shared + inflight == usable``
 (usable = every block but the null block).
 
 A soft *reserve* of ``reserved`` blocks is held back from every allocation but
-the reclaimer's (destination headroom, ARCHITECTURE.md §5.3): admission sees
+the reclaimer's (destination headroom, docs/architecture.md): admission sees
 ``num_free - reserved``.
 
-Only :mod:`vtoken.table` (and the reclaimer, through the table) mutates the
-ledger; it never imports torch.
+Ownership: the ledger alone assigns its arrays and counters. ``live``,
+``owner``, ``pos`` and ``state`` are read-only views; the token table changes
+them through the mutation methods below (the reclaimer through the table).
+It never imports torch.
 """
 from __future__ import annotations
 
@@ -29,21 +31,29 @@ from typing import Optional
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError, InvariantViolation
+from vtoken.errors import InvalidArgumentError, InvariantViolation, check_int
 from vtoken.pool import NULL_BLOCK, BlockAllocator
 
 FREE, OWNED, SHARED, SRC_INFLIGHT, DST_INFLIGHT = 0, 1, 2, 3, 4
 STATE_NAMES = ("FREE", "OWNED", "SHARED", "SRC_INFLIGHT", "DST_INFLIGHT")
 NO_OWNER = -1
 SHARED_OWNER = -2
+# NOTE: ufunc.at on an int32 array with a Python-int operand takes numpy's slow
+# casting path (227 us vs 3.6 us for 2048 indices, numpy 2.4): always pass _ONE.
+_ONE = np.int32(1)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 class BlockLedger:
     """Global per-block bookkeeping over an allocator. See module docstring."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int):
-        if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool) or block_size < 1:
-            raise InvalidArgumentError(f"block_size: expected an int >= 1, got {block_size!r}")
+        check_int("block_size", block_size, min_value=1)
         if not isinstance(allocator, BlockAllocator):
             raise InvalidArgumentError(
                 f"allocator: expected a BlockAllocator (allocate/free/incref/num_free/num_blocks), "
@@ -53,11 +63,12 @@ class BlockLedger:
         self.block_size = int(block_size)
         nb = allocator.num_blocks
         self.num_blocks = nb
-        self.live = np.zeros(nb, dtype=np.int32)
-        self.owner = np.full(nb, NO_OWNER, dtype=np.int32)
-        self.pos = np.full(nb, -1, dtype=np.int32)
-        self.state = np.zeros(nb, dtype=np.uint8)
-        self.holders: dict[int, set[int]] = {}  # shared block -> rows holding it
+        self._live = np.zeros(nb, dtype=np.int32)
+        self._owner = np.full(nb, NO_OWNER, dtype=np.int32)
+        self._pos = np.full(nb, -1, dtype=np.int32)
+        self._state = np.zeros(nb, dtype=np.uint8)
+        self._expose()
+        self._holders: dict[int, set[int]] = {}  # shared block -> rows holding it
         self._count = np.zeros(len(STATE_NAMES), dtype=np.int64)
         self._count[FREE] = allocator.num_free
         self.total_live = 0  # sum of live[b] over allocated blocks
@@ -67,7 +78,26 @@ class BlockLedger:
                 f"allocator: expected an empty allocator ({nb - 1} free blocks), got {allocator.num_free} free"
             )
 
+    def _expose(self) -> None:
+        """The public read-only views of the arrays (rebuilt after a copy or unpickling)."""
+        self.live, self.owner, self.pos, self.state = map(_read_only, (self._live, self._owner, self._pos, self._state))
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for name in ("live", "owner", "pos", "state"):
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._expose()
+
     # --- O(1) reads -------------------------------------------------------
+    @property
+    def holders(self) -> dict:
+        """Shared block -> the set of rows holding it (read it, never change it)."""
+        return self._holders
+
     @property
     def usable_blocks(self) -> int:
         return self.num_blocks - 1
@@ -114,9 +144,7 @@ class BlockLedger:
 
     def set_reserve(self, n: int) -> None:
         """Hold ``n`` free blocks back from every allocation but the reclaimer's."""
-        if not isinstance(n, (int, np.integer)) or n < 0:
-            raise InvalidArgumentError(f"n: expected an int >= 0, got {n!r}")
-        self.reserved = int(n)
+        self.reserved = check_int("n", n, min_value=0)
 
     @property
     def admission_free(self) -> int:
@@ -124,13 +152,37 @@ class BlockLedger:
         return max(0, self.num_free - self.reserved)
 
     # --- mutations (called by the table) ---------------------------------
-    def _set_state(self, ids: np.ndarray, new_state: int) -> None:
+    def set_state(self, ids: np.ndarray, new_state: int) -> None:
+        """Move allocated blocks ``ids`` to ``new_state`` (counts kept)."""
         if ids.size == 0:
             return
-        old = np.bincount(self.state[ids], minlength=len(STATE_NAMES))
+        old = np.bincount(self._state[ids], minlength=len(STATE_NAMES))
         self._count -= old
         self._count[new_state] += ids.size
-        self.state[ids] = new_state
+        self._state[ids] = new_state
+
+    def add_live(self, blocks: np.ndarray) -> None:
+        """One more live token in each entry of ``blocks`` (repeats add up)."""
+        np.add.at(self._live, blocks, _ONE)
+        self.total_live += len(blocks)
+
+    def remove_live(self, blocks: np.ndarray) -> None:
+        """One live token fewer in each entry of ``blocks`` (repeats add up)."""
+        np.subtract.at(self._live, blocks, _ONE)
+        self.total_live -= len(blocks)
+
+    def set_live(self, block: int, n: int) -> None:
+        """``block`` now holds ``n`` live tokens (a shared block's union count)."""
+        self.total_live += int(n) - int(self._live[block])
+        self._live[block] = n
+
+    def place(self, ids: np.ndarray, positions) -> None:
+        """Record the block-list positions of ``ids``."""
+        self._pos[ids] = positions
+
+    def add_holder(self, block: int, row: int) -> None:
+        """``row`` holds shared ``block`` too (the caller has incref'd it)."""
+        self._holders[block].add(row)
 
     def allocate(self, n: int, owner_rows, positions, *, state: int = OWNED,
                  use_reserve: bool = False) -> Optional[np.ndarray]:
@@ -146,38 +198,38 @@ class BlockLedger:
         ids = np.asarray(ids, dtype=np.int32)
         self._count[FREE] -= n
         self._count[state] += n
-        self.state[ids] = state
-        self.owner[ids] = owner_rows
-        self.pos[ids] = positions
-        self.live[ids] = 0
+        self._state[ids] = state
+        self._owner[ids] = owner_rows
+        self._pos[ids] = positions
+        self._live[ids] = 0
         return ids
 
     def release(self, ids: np.ndarray) -> None:
         """Return private blocks to the allocator (their live tokens are gone)."""
         if ids.size == 0:
             return
-        self.total_live -= int(self.live[ids].sum())
-        self._set_state(ids, FREE)
-        self.live[ids] = 0
-        self.owner[ids] = NO_OWNER
-        self.pos[ids] = -1
+        self.total_live -= int(self._live[ids].sum())
+        self.set_state(ids, FREE)
+        self._live[ids] = 0
+        self._owner[ids] = NO_OWNER
+        self._pos[ids] = -1
         self.allocator.free(ids)
 
     def share(self, block: int, rows: set[int]) -> None:
         """Mark ``block`` SHARED by ``rows`` (the caller has incref'd it)."""
-        self._set_state(np.array([block], dtype=np.int64), SHARED)
-        self.owner[block] = SHARED_OWNER
-        self.holders[block] = set(rows)
+        self.set_state(np.array([block], dtype=np.int64), SHARED)
+        self._owner[block] = SHARED_OWNER
+        self._holders[block] = set(rows)
 
     def unshare(self, block: int, row: int) -> None:
         """Drop ``row``'s reference to shared ``block``; one holder left makes it OWNED."""
-        holders = self.holders[block]
+        holders = self._holders[block]
         holders.discard(row)
         if len(holders) == 1:
             (last,) = holders
-            del self.holders[block]
-            self._set_state(np.array([block], dtype=np.int64), OWNED)
-            self.owner[block] = last
+            del self._holders[block]
+            self.set_state(np.array([block], dtype=np.int64), OWNED)
+            self._owner[block] = last
         self.allocator.free(np.array([block], dtype=np.int64))
 
     # --- checks ------------------------------------------------------------
