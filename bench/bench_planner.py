@@ -88,7 +88,7 @@ def bench_plan(n_src: int, S: int, rep: int, seed: int = 0) -> list[dict]:
     keep = rng.integers(1, S // 2 + 1, size=nblk - 1)
     victims = np.concatenate([b * S + rng.permutation(S)[k:] for b, k in enumerate(keep.tolist())])
     table.evict("r", victims)
-    blocks, live = table.relocation_candidates("r")
+    blocks, live = table.relocation.relocation_candidates("r")
     slots, alive = table.slots("r"), table.live_mask("r")
     num_blocks = table.ledger.num_blocks
 
@@ -98,7 +98,7 @@ def bench_plan(n_src: int, S: int, rep: int, seed: int = 0) -> list[dict]:
         return make_plan("r", slots, alive, c, dst, block_size=S, num_blocks=num_blocks)
 
     def vec_snapshot():
-        b, lv = table.relocation_candidates("r")
+        b, lv = table.relocation.relocation_candidates("r")
         c = select_sources(b, lv, block_size=S, max_src=n_src)
         dst = np.arange(c.num_dst, dtype=np.int32) + 1
         return make_plan("r", table.slots("r"), table.live_mask("r"), c, dst, block_size=S, num_blocks=num_blocks)

@@ -238,7 +238,7 @@ def test_apply_moves_into_fresh_destination_blocks():
     assert led.num_inflight == 2 and (led.pos[dst] == -1).all()
     new_slots = np.concatenate([dst[0] * S + np.arange(S), dst[1] * S + np.arange(1)])
     order = np.array([3, 0, 4, 1, 2])  # any order of the move list
-    released = t.apply_moves("a", toks[order], new_slots[order])
+    released = t.relocation.apply_moves("a", toks[order], new_slots[order])
     assert sorted(released.tolist()) == sorted(srcs)
     assert (led.state[srcs] == FREE).all()
     # Destinations take the emptied positions, first positions first, in logical order.
@@ -259,14 +259,14 @@ def test_apply_moves_into_empty_slots_of_own_blocks():
     blist = t.block_list("a").tolist()
     # Token 1 (block 0) and token S+2 (block 1) move into dead slots of block 2.
     dst = [blist[2] * S + 1, blist[2] * S + 2]  # tokens 2S+1, 2S+2 are dead
-    released = t.apply_moves("a", [1, S + 2], dst)
+    released = t.relocation.apply_moves("a", [1, S + 2], dst)
     assert sorted(released.tolist()) == sorted(blist[:2])
     assert t.block_list("a").tolist() == [NULL_BLOCK, NULL_BLOCK] + blist[2:]
     assert led.live[blist[2]] == 4
     assert t.slots("a")[[1, S + 2]].tolist() == dst
     # The tail's dead slots below the last token are empty too; its future slots are not.
     t.evict("a", [4 * S + 1])
-    t.apply_moves("a", [3 * S + 1], [blist[4] * S + 1])
+    t.relocation.apply_moves("a", [3 * S + 1], [blist[4] * S + 1])
     assert led.state[blist[3]] == FREE
     t.check_invariants()
 
@@ -279,9 +279,9 @@ def test_unused_destination_blocks_stay_inflight_until_finish():
     dst = led.allocate(3, row, -1, state=DST_INFLIGHT, use_reserve=True)
     before = t.snapshot()
     with pytest.raises(InvalidArgumentError, match="new_slots: expected at most 1 new destination"):
-        t.apply_moves("a", [2 * S, 2 * S + 3], [dst[0] * S, dst[1] * S])  # 1 source emptied, 2 new blocks
+        t.relocation.apply_moves("a", [2 * S, 2 * S + 3], [dst[0] * S, dst[1] * S])  # 1 source emptied, 2 new blocks
     assert_same(before, t.snapshot())
-    t.apply_moves("a", [1, S + 2], [dst[0] * S, dst[0] * S + 1])
+    t.relocation.apply_moves("a", [1, S + 2], [dst[0] * S, dst[0] * S + 1])
     assert led.state[dst[0]] == OWNED and (led.state[dst[1:]] == DST_INFLIGHT).all()
     t.check_invariants()
     free = led.num_free
@@ -400,9 +400,9 @@ def test_tokens_in_shared_blocks_cannot_move():
     t.evict("child", [2 * S])
     before = t.snapshot()
     with pytest.raises(InvalidArgumentError, match="token_ids: expected tokens in private blocks"):
-        t.apply_moves("child", [0], [own * S])
+        t.relocation.apply_moves("child", [0], [own * S])
     with pytest.raises(InvalidArgumentError, match="new_slots: expected slots in blocks owned"):
-        t.apply_moves("child", [2 * S + 1], [int(prefix[0]) * S])
+        t.relocation.apply_moves("child", [2 * S + 1], [int(prefix[0]) * S])
     assert_same(before, t.snapshot())
 
 
@@ -421,7 +421,7 @@ def test_bad_prefix_blocks_are_rejected(case):
         arg = [int(bl[1])]
     elif case == "moved_into":
         t.evict("donor", [2])  # a dead slot of block 0, then a token moved into it
-        t.apply_moves("donor", [2 * S], [int(bl[0]) * S + 2])
+        t.relocation.apply_moves("donor", [2 * S], [int(bl[0]) * S + 2])
     elif case == "null":
         arg = [0]
     elif case == "out_of_range":
@@ -464,7 +464,7 @@ def test_moves_into_the_tails_future_slots_are_rejected():
     tail = int(t.block_list("a")[1])
     before = t.snapshot()
     with pytest.raises(InvalidArgumentError, match="new_slots: .*reserved for future tokens"):
-        t.apply_moves("a", [0], [tail * 16 + 10])
+        t.relocation.apply_moves("a", [0], [tail * 16 + 10])
     assert_same(before, t.snapshot())
 
 
@@ -535,7 +535,7 @@ BAD_CALLS = [
     ("unknown_batch_append", lambda t: t.sync_new_tokens_batch(["a", "x"], [1, 1]), UnknownRequestError, "req: .*'x'"),
     ("unknown_evict_batch", lambda t: t.evict_batch(["a", "x"], [[0], [0]]), UnknownRequestError, "req: "),
     ("unknown_evict_flat", lambda t: t.evict_flat(["x"], [0], [1]), UnknownRequestError, "req: "),
-    ("unknown_moves", lambda t: t.apply_moves("x", [0], [A_TAIL(t) * 4]), UnknownRequestError, "req: "),
+    ("unknown_moves", lambda t: t.relocation.apply_moves("x", [0], [A_TAIL(t) * 4]), UnknownRequestError, "req: "),
     ("unknown_finish", lambda t: t.finish("x"), UnknownRequestError, "req: "),
     ("unknown_read", lambda t: t.live_ids("x"), UnknownRequestError, "req: "),
     ("unhashable", lambda t: t.evict(["a"], [0]), UnknownRequestError, "req: "),
@@ -550,27 +550,27 @@ BAD_CALLS = [
     ("id_too_big", lambda t: t.evict("a", [0, 22]), InvalidArgumentError, r"token_ids: expected ids in \[0, "),
     ("id_negative", lambda t: t.evict("a", [-1]), InvalidArgumentError, "token_ids: "),
     ("id_other_request_range", lambda t: t.evict_batch(["a", "b"], [[0], [9]]), InvalidArgumentError, "token_ids: "),
-    ("move_id_out_of_range", lambda t: t.apply_moves("a", [22], [A_TAIL(t) * 4]), InvalidArgumentError, "token_ids: "),
+    ("move_id_out_of_range", lambda t: t.relocation.apply_moves("a", [22], [A_TAIL(t) * 4]), InvalidArgumentError, "token_ids: "),
     # duplicate ids
     ("dup_evict", lambda t: t.evict("a", [5, 5]), InvalidArgumentError, "token_ids: expected unique"),
     ("dup_evict_unsorted", lambda t: t.evict("a", [6, 5, 6]), InvalidArgumentError, "token_ids: expected unique"),
     ("dup_evict_flat", lambda t: t.evict_flat(["a", "a"], [5, 5], [1, 1]), InvalidArgumentError, "token_ids: expected unique"),
-    ("dup_move_ids", lambda t: t.apply_moves("a", [0, 0], [A_TAIL(t) * 4, A_TAIL(t) * 4 + 1]),
+    ("dup_move_ids", lambda t: t.relocation.apply_moves("a", [0, 0], [A_TAIL(t) * 4, A_TAIL(t) * 4 + 1]),
      InvalidArgumentError, "token_ids: expected unique"),
-    ("dup_move_slots", lambda t: t.apply_moves("a", [0, 1], [A_TAIL(t) * 4, A_TAIL(t) * 4]),
+    ("dup_move_slots", lambda t: t.relocation.apply_moves("a", [0, 1], [A_TAIL(t) * 4, A_TAIL(t) * 4]),
      InvalidArgumentError, "new_slots: expected unique"),
     ("dup_batch_requests", lambda t: t.sync_new_tokens_batch(["a", "a"], [1, 1]), InvalidArgumentError, "reqs: "),
     # moves to foreign / occupied / bad slots
-    ("move_foreign", lambda t: t.apply_moves("a", [0], [B0(t) * 4 + 3]), InvalidArgumentError, "new_slots: .*owned by"),
-    ("move_free_block", lambda t: t.apply_moves("a", [0], [60 * 4]), InvalidArgumentError, "new_slots: .*owned by"),
-    ("move_null_block", lambda t: t.apply_moves("a", [0], [1]), InvalidArgumentError, r"new_slots: expected slots in \[4, "),
-    ("move_out_of_range", lambda t: t.apply_moves("a", [0], [64 * 4]), InvalidArgumentError, "new_slots: "),
-    ("move_occupied", lambda t: t.apply_moves("a", [0], [int(t.slots("a")[1])]), InvalidArgumentError,
+    ("move_foreign", lambda t: t.relocation.apply_moves("a", [0], [B0(t) * 4 + 3]), InvalidArgumentError, "new_slots: .*owned by"),
+    ("move_free_block", lambda t: t.relocation.apply_moves("a", [0], [60 * 4]), InvalidArgumentError, "new_slots: .*owned by"),
+    ("move_null_block", lambda t: t.relocation.apply_moves("a", [0], [1]), InvalidArgumentError, r"new_slots: expected slots in \[4, "),
+    ("move_out_of_range", lambda t: t.relocation.apply_moves("a", [0], [64 * 4]), InvalidArgumentError, "new_slots: "),
+    ("move_occupied", lambda t: t.relocation.apply_moves("a", [0], [int(t.slots("a")[1])]), InvalidArgumentError,
      "new_slots: expected empty slots, got occupied"),
-    ("move_future_tail", lambda t: t.apply_moves("a", [0], [A_TAIL(t) * 4 + 3]), InvalidArgumentError,
+    ("move_future_tail", lambda t: t.relocation.apply_moves("a", [0], [A_TAIL(t) * 4 + 3]), InvalidArgumentError,
      "new_slots: .*future"),
-    ("move_dead", lambda t: t.apply_moves("a", [3], [A_TAIL(t) * 4]), InvalidArgumentError, "token_ids: expected live"),
-    ("move_length", lambda t: t.apply_moves("a", [0, 1], [A_TAIL(t) * 4]), InvalidArgumentError, "new_slots: expected 2"),
+    ("move_dead", lambda t: t.relocation.apply_moves("a", [3], [A_TAIL(t) * 4]), InvalidArgumentError, "token_ids: expected live"),
+    ("move_length", lambda t: t.relocation.apply_moves("a", [0, 1], [A_TAIL(t) * 4]), InvalidArgumentError, "new_slots: expected 2"),
     # wrong dtype or shape
     ("float_ids", lambda t: t.evict("a", np.array([1.0])), InvalidTypeError, "token_ids: expected an integer array"),
     ("bool_ids", lambda t: t.evict("a", np.array([True, False])), InvalidTypeError, "token_ids: expected an integer"),
@@ -586,9 +586,9 @@ BAD_CALLS = [
      InvalidTypeError, r"token_ids_per_req\[1\]: "),
     ("float_flat_ids", lambda t: t.evict_flat(["a"], np.array([0.0]), [1]), InvalidTypeError, "token_ids: "),
     ("2d_flat_counts", lambda t: t.evict_flat(["a"], [0], [[1]]), InvalidTypeError, "counts: expected a 1-D"),
-    ("float_new_slots", lambda t: t.apply_moves("a", [0], np.array([float(A_TAIL(t) * 4)])), InvalidTypeError,
+    ("float_new_slots", lambda t: t.relocation.apply_moves("a", [0], np.array([float(A_TAIL(t) * 4)])), InvalidTypeError,
      "new_slots: expected an integer array"),
-    ("2d_new_slots", lambda t: t.apply_moves("a", [0], np.array([[A_TAIL(t) * 4]])), InvalidTypeError,
+    ("2d_new_slots", lambda t: t.relocation.apply_moves("a", [0], np.array([[A_TAIL(t) * 4]])), InvalidTypeError,
      "new_slots: expected a 1-D array"),
     ("float_counts", lambda t: t.sync_new_tokens_batch(["a"], np.array([1.0])), InvalidTypeError, "counts: "),
     ("2d_counts", lambda t: t.sync_new_tokens_batch(["a"], np.array([[1]])), InvalidTypeError, "counts: expected a 1-D"),

@@ -260,7 +260,7 @@ class TableMachine(RuleBasedStateMachine):
         m.pending.setdefault(r, []).extend(dst)
         new = [dst[j // S] * S + j % S for j in range(len(toks))]
         order = data.draw(st.permutations(range(len(toks))), label="order")
-        released = self.table.apply_moves(r, np.array([toks[i] for i in order]), np.array([new[i] for i in order]))
+        released = self.table.relocation.apply_moves(r, np.array([toks[i] for i in order]), np.array([new[i] for i in order]))
         # Model: emptied sources free their positions; destinations take the first ones in order.
         positions = sorted(p for p, b in enumerate(mr["blist"]) if b in srcs)
         assert sorted(released.tolist()) == sorted(srcs)
@@ -294,7 +294,7 @@ class TableMachine(RuleBasedStateMachine):
         toks = data.draw(st.lists(st.sampled_from(movable), min_size=k, max_size=k, unique=True), label="toks")
         dst = data.draw(st.lists(st.sampled_from(empty), min_size=k, max_size=k, unique=True), label="dst")
         before = {b for b in mr["blist"] if b}
-        released = self.table.apply_moves(r, np.array(toks, dtype=np.int32), np.array(dst, dtype=np.int64))
+        released = self.table.relocation.apply_moves(r, np.array(toks, dtype=np.int32), np.array(dst, dtype=np.int64))
         for t, s in zip(toks, dst):
             mr["slot"][t] = s
         m.dirty.update(s // S for s in dst)
@@ -335,18 +335,18 @@ class TableMachine(RuleBasedStateMachine):
                 foreign = [b for b in range(1, m.nb) if r not in m.holders(b) and b not in m.pending.get(r, [])]
                 if foreign:
                     b = data.draw(st.sampled_from(foreign))
-                    self._expect_rejected(InvalidArgumentError, t.apply_moves, r, [tok], [b * S])
+                    self._expect_rejected(InvalidArgumentError, t.relocation.apply_moves, r, [tok], [b * S])
             elif kind == "move_occupied" and len(live) >= 2:
-                self._expect_rejected(InvalidArgumentError, t.apply_moves, r, [tok], [mr["slot"][live[1]]])
+                self._expect_rejected(InvalidArgumentError, t.relocation.apply_moves, r, [tok], [mr["slot"][live[1]]])
             elif kind == "move_dead" and dead and mr["blist"]:
-                self._expect_rejected(InvalidArgumentError, t.apply_moves, r, [dead[0]], [mr["blist"][-1] * S])
+                self._expect_rejected(InvalidArgumentError, t.relocation.apply_moves, r, [dead[0]], [mr["blist"][-1] * S])
             elif kind == "move_shared":
                 shared = [i for i in live if len(m.holders(mr["slot"][i] // S)) > 1]
                 private = [b for b in mr["blist"] if b and len(m.holders(b)) == 1]
                 if shared and private:
-                    self._expect_rejected(InvalidArgumentError, t.apply_moves, r, [shared[0]], [private[0] * S])
+                    self._expect_rejected(InvalidArgumentError, t.relocation.apply_moves, r, [shared[0]], [private[0] * S])
             elif kind == "move_future_tail" and n % S:
-                self._expect_rejected(InvalidArgumentError, t.apply_moves, r, [tok], [mr["blist"][-1] * S + S - 1])
+                self._expect_rejected(InvalidArgumentError, t.relocation.apply_moves, r, [tok], [mr["blist"][-1] * S + S - 1])
 
     # ---------------------------------------------------------- invariants
     @invariant()

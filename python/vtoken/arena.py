@@ -29,6 +29,7 @@ from typing import Optional
 import numpy as np
 
 from vtoken import PAD_SLOT, cdiv
+from vtoken.errors import InvalidArgumentError
 from vtoken.pool import NULL_BLOCK
 
 _ROW_ARRAYS = ("base", "cap", "ntok", "in_use")
@@ -112,6 +113,13 @@ class SegmentArena:
         """``row``'s slots, a view."""
         base = int(self.base[row])
         return self.slots[base : base + int(self.ntok[row])]
+
+    def check_token_ids(self, row: int, tids: np.ndarray, arg: str = "token_ids") -> None:
+        """Raise unless every id in ``tids`` is one of ``row``'s tokens."""
+        n = int(self.ntok[row])
+        if tids.size and (tids.min() < 0 or tids.max() >= n):
+            bad = tids[(tids < 0) | (tids >= n)]
+            raise InvalidArgumentError(f"{arg}: expected ids in [0, {n}), got {bad[:8].tolist()}")
 
     def nbytes(self) -> int:
         arenas = self.slots.nbytes + self.bits.nbytes + self.blocks.nbytes

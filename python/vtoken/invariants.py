@@ -65,6 +65,24 @@ def fingerprint_rows(token_ids, rows: Sequence[torch.Tensor]) -> str:
 
 
 # ----------------------------------------------------------------------- I2
+def table_snapshot(table) -> dict:
+    """A deep copy of a TokenTable's state, for bit-identical comparisons (tests, error paths)."""
+    arena = table.arena
+    snap = {"ledger": table.ledger.snapshot(), "registry": table.registry.snapshot(), "end": arena.end,
+            "garbage": arena.garbage, "nlive": table._nlive.copy()}
+    for name in ("base", "cap", "ntok", "in_use"):
+        snap[name] = getattr(arena, name).copy()
+    snap["per_request"] = {
+        req: (table.slots(req), table.live_mask(req), table.block_list(req)) for req in table.registry
+    }
+    snap["moved_into"] = table.shared.moved_into.copy()
+    snap["ref"] = None
+    alloc = table.ledger.allocator
+    if hasattr(alloc, "ref_count"):
+        snap["ref"] = alloc.ref_count(np.arange(1, alloc.num_blocks))
+    return snap
+
+
 def check_table(table) -> None:
     """Conservation, I2 (unique mapping) and live counts vs a recount, for a TokenTable. O(tokens + blocks)."""
     led, S, arena = table.ledger, table.S, table.arena
@@ -72,7 +90,7 @@ def check_table(table) -> None:
     recount = np.zeros(led.num_blocks, dtype=np.int64)
     private_slots = []
     list_refs = np.zeros(led.num_blocks, dtype=np.int64)
-    for req, row in table._rows.items():
+    for req, row in table.registry.items():
         n = int(arena.ntok[row])
         mask = arena.alive_range(row, 0, n)
         if int(mask.sum()) != int(table._nlive[row]):

@@ -316,7 +316,7 @@ class ReclamationManager:
             req = table.request_of(row)
             if req is None or row in busy_rows:  # finished since the scan / in flight (I4)
                 continue
-            blocks, live = table.relocation_candidates(req)
+            blocks, live = table.relocation.relocation_candidates(req)
             choice = select_sources(blocks, live, block_size=S, max_src=cfg.max_src_per_plan,
                                     max_moves=move_budget, max_dst=dst_budget)
             if choice is None:
@@ -339,7 +339,7 @@ class ReclamationManager:
             plan.meta["row"] = row
             if self.checking:
                 invariants.check_plan(plan, table, pre_launch=True)
-            table.begin_relocation(req, plan.src_blocks)
+            table.relocation.begin_relocation(req, plan.src_blocks)
             self._busy[req] = plan
             plans.append(plan)
             dst_budget -= len(plan.dst_blocks)
@@ -435,7 +435,7 @@ class ReclamationManager:
             return None
         alive = table.is_alive(req, plan.token_ids)
         if alive.all():
-            released = table.apply_moves(req, plan.token_ids, plan.dst_slots)
+            released = table.relocation.apply_moves(req, plan.token_ids, plan.dst_slots)
             if self.mirror is not None:
                 self.mirror.record_moves(req, plan.token_ids, plan.dst_slots)
             # Every source emptied; a full commit leaves nothing in flight.
@@ -449,11 +449,11 @@ class ReclamationManager:
             self._rollback([plan])
             rec.aborted_plans += 1
             return None
-        released = [table.apply_moves(req, tids, dst)] if len(tids) else []
+        released = [table.relocation.apply_moves(req, tids, dst)] if len(tids) else []
         if self.mirror is not None and len(tids):
             self.mirror.record_moves(req, tids, dst)
-        table.release_destinations(req, np.setdiff1d(plan.dst_blocks, used))  # unused: back to the pool
-        released.append(table.end_relocation(req, plan.src_blocks))
+        table.relocation.release_destinations(req, np.setdiff1d(plan.dst_blocks, used))  # unused: back to the pool
+        released.append(table.relocation.end_relocation(req, plan.src_blocks))
         return np.concatenate(released)
 
     # ------------------------------------------------------------------ abort
@@ -479,8 +479,8 @@ class ReclamationManager:
             led = self.ledger
             d = plan.dst_blocks.astype(np.int64)
             d = d[(led.state[d] == DST_INFLIGHT) & (led.owner[d] == plan.meta["row"])]
-            self.table.release_destinations(req, d)
-            self.table.end_relocation(req, plan.src_blocks)
+            self.table.relocation.release_destinations(req, d)
+            self.table.relocation.end_relocation(req, plan.src_blocks)
 
     # ---------------------------------------------------------------- finish
     def finish_request(self, req) -> np.ndarray:

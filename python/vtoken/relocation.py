@@ -50,7 +50,7 @@ class RelocationTransitions:
             raise InvalidArgumentError(f"new_slots: expected {len(tids)} slots (one per token), got {len(dst)}")
         if tids.size == 0:
             return np.zeros(0, dtype=np.int32)
-        t._check_tokens(row, tids)
+        t.arena.check_token_ids(row, tids)
         if has_duplicates(tids):
             raise InvalidArgumentError("token_ids: expected unique ids, got duplicates")
         g = int(t.arena.base[row]) + tids

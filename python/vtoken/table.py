@@ -30,7 +30,7 @@ rejected call leaves the table and the ledger bit-identical.
 from __future__ import annotations
 
 import operator
-from typing import Hashable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -39,7 +39,6 @@ from vtoken.arena import SegmentArena
 from vtoken.errors import (
     InvalidArgumentError,
     InvalidTypeError,
-    UnknownRequestError,
     as_index_array,
     check_int,
     has_duplicates,
@@ -48,6 +47,7 @@ from vtoken.journal import DeltaJournal
 from vtoken.ledger import DST_INFLIGHT, OWNED, SHARED, BlockLedger
 from vtoken.pool import NULL_BLOCK
 from vtoken.relocation import RelocationTransitions
+from vtoken.request_rows import RequestRows
 from vtoken.shared_blocks import SharedBlocks
 
 PAD = PAD_SLOT
@@ -81,67 +81,27 @@ class TokenTable:
         self.relocation = RelocationTransitions(self)
         self.journal = DeltaJournal()
         self._nlive = np.zeros(nrows, dtype=np.int64)
-        self._rows: dict[Hashable, int] = {}
-        self._row_req: list = [None] * nrows
-        self._free_rows: list[int] = list(range(nrows - 1, -1, -1))
-        # NOTE: a row and an id can both be reused (finish, then add_request of the
-        # same id); the registration number tells a holder of an old (req, row)
-        # pair, such as a relocation plan, that it is stale.
-        self._registrations = 0
-        self._generation: dict[Hashable, int] = {}
+        self.registry = RequestRows(nrows)
 
     # ------------------------------------------------------------------ rows
     def row_of(self, req) -> int:
         """The internal row index of ``req`` (stable while the request lives)."""
-        try:
-            return self._rows[req]
-        except (KeyError, TypeError):
-            raise UnknownRequestError(f"req: expected a registered request, got {req!r}") from None
+        return self.registry.row_of(req)
 
     def rows_of(self, reqs) -> np.ndarray:
-        """Rows of ``reqs`` (int64), one C-level lookup pass; unknown ids raise UnknownRequestError."""
-        reqs = list(reqs)
-        if len(reqs) < 2:
-            return np.array([self.row_of(r) for r in reqs], dtype=np.int64)
-        try:
-            return np.array(operator.itemgetter(*reqs)(self._rows), dtype=np.int64)
-        except (KeyError, TypeError):
-            for r in reqs:
-                self.row_of(r)  # raises, naming the first unknown request
-            raise
+        return self.registry.rows_of(reqs)
 
     def generation(self, req) -> int:
-        """A number unique to this registration of ``req`` (a re-registered id gets a new one)."""
-        self.row_of(req)
-        return self._generation[req]
+        return self.registry.generation(req)
 
     def request_of(self, row: int):
-        return self._row_req[row]
+        return self.registry.request_of(row)
 
     def __contains__(self, req) -> bool:
-        try:
-            return req in self._rows
-        except TypeError:
-            return False
+        return req in self.registry
 
     def requests(self) -> list:
-        return list(self._rows)
-
-    def _new_row(self) -> int:
-        if not self._free_rows:
-            n = self.arena.num_rows()
-            self.arena.grow_rows()
-            self._nlive = np.concatenate([self._nlive, np.zeros_like(self._nlive)])
-            self._row_req.extend([None] * n)
-            self._free_rows = list(range(2 * n - 1, n - 1, -1))
-        return self._free_rows.pop()
-
-    def _check_tokens(self, row: int, tids: np.ndarray, arg: str = "token_ids") -> None:
-        n = int(self.arena.ntok[row])
-        if tids.size and (tids.min() < 0 or tids.max() >= n):
-            bad = tids[(tids < 0) | (tids >= n)]
-            raise InvalidArgumentError(f"{arg}: expected ids in [0, {n}), got {bad[:8].tolist()}")
-
+        return self.registry.requests()
 
     # ------------------------------------------------------------ public API
     def add_request(self, req, prefix_blocks=None) -> None:
@@ -153,23 +113,14 @@ class TokenTable:
         it, unmodified (never a relocation destination). They are shared, not
         copied: each gets one more reference.
         """
-        try:
-            hash(req)
-        except TypeError:
-            raise InvalidArgumentError(f"req: expected a hashable request id, got {type(req).__name__}") from None
-        # NOTE: an id that is not equal to itself (a float NaN) could never be found again.
-        if req != req:
-            raise InvalidArgumentError(f"req: expected an id equal to itself, got {req!r}")
-        if req in self._rows:
-            raise InvalidArgumentError(f"req: expected a new request id, got already registered {req!r}")
+        self.registry.check_new(req)
         S = self.S
         prefix = as_index_array("prefix_blocks", prefix_blocks if prefix_blocks is not None else [])
         self.shared.check_prefix(prefix)
-        row = self._new_row()
-        self._rows[req] = row
-        self._registrations += 1
-        self._generation[req] = self._registrations
-        self._row_req[row] = req
+        row = self.registry.add(req)
+        if row >= self.arena.num_rows():
+            self.arena.grow_rows()
+            self._nlive = np.concatenate([self._nlive, np.zeros_like(self._nlive)])
         self._nlive[row] = 0
         n = len(prefix) * S
         self.arena.open(row, n)
@@ -409,27 +360,7 @@ class TokenTable:
         if self.shared.drop(row, block):
             self._release_if_empty(np.array([int(self.ledger.owner[block])]), np.array([block]))
 
-    # ------------------------------------------- relocation (the reclaimer's)
-    def apply_moves(self, req, token_ids, new_slots) -> np.ndarray:
-        """See :meth:`vtoken.relocation.RelocationTransitions.apply_moves`."""
-        return self.relocation.apply_moves(req, token_ids, new_slots)
-
-    def relocation_candidates(self, req) -> tuple[np.ndarray, np.ndarray]:
-        """See :meth:`vtoken.relocation.RelocationTransitions.relocation_candidates`."""
-        return self.relocation.relocation_candidates(req)
-
-    def begin_relocation(self, req, src_blocks) -> None:
-        """See :meth:`vtoken.relocation.RelocationTransitions.begin_relocation`."""
-        self.relocation.begin_relocation(req, src_blocks)
-
-    def end_relocation(self, req, src_blocks) -> np.ndarray:
-        """See :meth:`vtoken.relocation.RelocationTransitions.end_relocation`."""
-        return self.relocation.end_relocation(req, src_blocks)
-
-    def release_destinations(self, req, dst_blocks) -> None:
-        """See :meth:`vtoken.relocation.RelocationTransitions.release_destinations`."""
-        self.relocation.release_destinations(req, dst_blocks)
-
+    # ------------------------------------------------------------ blocks
     def tail_block_ids(self) -> np.ndarray:
         """The tail block of every registered request that has one (int64)."""
         rows = np.flatnonzero(self.arena.in_use & (self.arena.ntok > 0))
@@ -440,7 +371,7 @@ class TokenTable:
         """Alive bits of ``token_ids`` of ``req`` (bool, validated ids)."""
         row = self.row_of(req)
         tids = as_index_array("token_ids", token_ids)
-        self._check_tokens(row, tids)
+        self.arena.check_token_ids(row, tids)
         return self.arena.alive(int(self.arena.base[row]) + tids)
 
 
@@ -460,10 +391,7 @@ class TokenTable:
         self.arena.close(row)
         self._nlive[row] = 0
         self.journal.emit("finish", row)
-        del self._rows[req]
-        del self._generation[req]
-        self._row_req[row] = None
-        self._free_rows.append(row)
+        self.registry.remove(req)
         return private.astype(np.int32)
 
 
@@ -516,22 +444,10 @@ class TokenTable:
 
     # ------------------------------------------------------------- checking
     def snapshot(self) -> dict:
-        """A deep copy of all state, for bit-identical comparisons in tests."""
-        arena = self.arena
-        snap = {"ledger": self.ledger.snapshot(), "rows": dict(self._rows), "end": arena.end,
-                "garbage": arena.garbage, "generation": dict(self._generation), "nlive": self._nlive.copy()}
-        for name in ("base", "cap", "ntok", "in_use"):
-            snap[name] = getattr(arena, name).copy()
-        snap["per_request"] = {
-            req: (self.slots(req), self.live_mask(req), self.block_list(req)) for req in self._rows
-        }
-        snap["moved_into"] = self.shared.moved_into.copy()
-        snap["ref"] = None
-        alloc = self.ledger.allocator
-        if hasattr(alloc, "ref_count"):
-            snap["ref"] = alloc.ref_count(np.arange(1, alloc.num_blocks))
-        return snap
+        """A deep copy of all state, for bit-identical comparisons: :func:`vtoken.invariants.table_snapshot`."""
+        from vtoken.invariants import table_snapshot
 
+        return table_snapshot(self)
 
     def check_invariants(self) -> None:
         """Conservation, I2 (unique mapping) and live counts vs a recount: :func:`vtoken.invariants.check_table`."""
