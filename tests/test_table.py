@@ -690,3 +690,44 @@ def test_metadata_is_at_most_5_bytes_per_token_grown_in_small_appends(S, R):
     for r in range(R):  # the moves on the way kept every token
         assert np.array_equal(t.slots(r), expected_slots(t.block_list(r), S, np.arange(t.num_tokens(r))))
     t.check_invariants()
+
+
+# ------------------------------------------------- bad input: typed, state unchanged
+@pytest.mark.parametrize("req", [float("nan"), np.float64("nan")])
+def test_a_request_id_not_equal_to_itself_is_rejected(req):
+    t = error_table()
+    before = t.snapshot()
+    with pytest.raises(InvalidArgumentError, match="req: expected an id equal to itself"):
+        t.add_request(req)
+    assert_same(before, t.snapshot())
+
+
+def test_set_reserve_rejects_a_bool():
+    t = error_table()
+    before = t.snapshot()
+    with pytest.raises(InvalidTypeError, match="n: "):
+        t.ledger.set_reserve(True)
+    assert_same(before, t.snapshot())
+
+
+def test_evict_batch_takes_a_generator_and_rejects_a_non_iterable():
+    t = error_table()
+    ref = error_table()
+    t.evict_batch(["a"], (ids for ids in [np.array([0, 2])]))
+    ref.evict("a", [0, 2])
+    assert_same(ref.snapshot(), t.snapshot())
+    before = t.snapshot()
+    with pytest.raises(InvalidTypeError, match="token_ids_per_req: expected an iterable"):
+        t.evict_batch(["a"], 5)
+    with pytest.raises(InvalidTypeError, match="reqs: expected an iterable"):
+        t.evict_batch(None, [[0]])
+    assert_same(before, t.snapshot())
+
+
+def test_ledger_arrays_are_read_only_outside_the_ledger():
+    t = error_table()
+    b = int(t.block_list("a")[0])
+    for name in ("live", "owner", "pos", "state"):
+        with pytest.raises(ValueError, match="read-only"):
+            getattr(t.ledger, name)[b] = 0
+    t.check_invariants()

@@ -56,6 +56,13 @@ _DTYPE = operator.attrgetter("dtype")
 _BIT = (1 << np.arange(8)).astype(np.uint8)  # alive-bit masks by offset in the byte: one gather, no casts
 
 
+def _as_list(arg: str, value) -> list:
+    try:
+        return list(value)
+    except TypeError:
+        raise InvalidTypeError(f"{arg}: expected an iterable, got {type(value).__name__}") from None
+
+
 class TokenTable:
     """Token tables of every request over one :class:`BlockLedger`.
 
@@ -230,13 +237,13 @@ class TokenTable:
 
     def evict_batch(self, reqs, token_ids_per_req) -> None:
         """Evict across requests in one vectorized pass."""
-        reqs = list(reqs)
-        if len(reqs) != len(token_ids_per_req):
+        reqs = _as_list("reqs", reqs)
+        parts = _as_list("token_ids_per_req", token_ids_per_req)  # any iterable, generators included
+        if len(reqs) != len(parts):
             raise InvalidArgumentError(
-                f"token_ids_per_req: expected {len(reqs)} arrays (one per request), got {len(token_ids_per_req)}"
+                f"token_ids_per_req: expected {len(reqs)} arrays (one per request), got {len(parts)}"
             )
         rows = self.rows_of(reqs)
-        parts = list(token_ids_per_req)
         tids = None
         try:  # fast path: 1-D integer numpy arrays, validated in C-level passes
             kinds = {d.kind for d in set(map(_DTYPE, parts))}
