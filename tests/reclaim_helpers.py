@@ -42,24 +42,16 @@ class Runtime:
 
     def add(self, req, prefix_blocks=None):
         self.table.add_request(req, prefix_blocks)
-        if self.mirror is not None:
-            self.mirror.add_request(req)
 
     def append(self, reqs, counts):
         """Append tokens and write distinct K/V values into their slots (like a forward would)."""
-        if self.mirror is not None:
-            slots = self.mirror.append(reqs, counts)
-        else:
-            slots = self.table.sync_new_tokens_batch(reqs, counts)
+        slots = self.table.sync_new_tokens_batch(reqs, counts)
         if slots is not None and len(slots):
             write_kv(self.caches, self.layout, slots, self.rng)
         return slots
 
     def evict(self, req, token_ids):
-        if self.mirror is not None:
-            self.mirror.evict(req, token_ids)
-        else:
-            self.table.evict(req, token_ids)
+        self.table.evict(req, token_ids)
 
     def step(self, *, evict_frac=0.3, append=4, protect=4):
         """One decode-like step: append to every request, evict a random fraction of old tokens."""

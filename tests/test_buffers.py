@@ -14,7 +14,8 @@ import torch
 
 from reclaim_helpers import Runtime
 from vtoken.buffers import DeviceMirror, SlotListBuffers
-from vtoken.errors import InvalidArgumentError
+from vtoken.errors import InvalidArgumentError, InvalidTypeError
+from table_helpers import assert_same
 
 SEEDS = (0, 1, 2, 3)
 POISON = -7
@@ -149,12 +150,9 @@ def test_mirror_argument_errors():
     rt = Runtime(num_blocks=32, block_size=4, mirror=True)
     m = rt.mirror
     rt.add("a")
-    rt.table.add_request("x")  # not mirrored
     bufs = SlotListBuffers(max_reqs=1, nnz_max=8, max_tokens=4)
-    with pytest.raises(InvalidArgumentError, match="mirrored"):
-        m.add_request("a")
     with pytest.raises(InvalidArgumentError, match="tracked"):
-        m.build(bufs, ["x"], [0])
+        m.build(bufs, ["x"], [0])  # not a request of the table
     with pytest.raises(InvalidArgumentError, match="new_token_counts"):
         m.build(bufs, ["a"], [0, 1])
     rt.append(["a"], [6])
@@ -181,7 +179,6 @@ def test_gpu_mirror_matches_cpu_mirror(monkeypatch):
     gb = SlotListBuffers(max_reqs=4, nnz_max=2048, max_tokens=64, device=dev)
     for r in range(3):
         cpu.add(r)
-        gm.add_request(r)
     rng = np.random.default_rng(0)
     try:
         for step in range(10):
@@ -189,12 +186,10 @@ def test_gpu_mirror_matches_cpu_mirror(monkeypatch):
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("error")
             reqs = cpu.table.requests()
-            slots = cpu.append(reqs, [5] * len(reqs))
-            gm.record_append(reqs, [5] * len(reqs), slots)
+            cpu.append(reqs, [5] * len(reqs))
             for r in reqs:
                 v = rng.choice(cpu.table.live_ids(r)[:-2], size=2, replace=False)
                 cpu.evict(r, v)
-                gm.record_evict(r, v)
             order = reqs[::-1] if step % 3 == 2 else reqs
             cpu.mirror.build(cb, order, [5] * len(order))
             gm.build(gb, order, [5] * len(order))
@@ -203,3 +198,51 @@ def test_gpu_mirror_matches_cpu_mirror(monkeypatch):
     for a, b in ((cb.kv_indices, gb.kv_indices), (cb.kv_indptr, gb.kv_indptr), (cb.slot_mapping, gb.slot_mapping)):
         assert torch.equal(a, b.cpu())
     gm.check_against_table()
+
+
+def test_mirror_rejects_a_request_twice_in_one_batch_and_keeps_its_state():
+    rt = Runtime(num_blocks=32, block_size=4, mirror=True)
+    m = rt.mirror
+    rt.add("a")
+    rt.add("b")
+    rt.append(["a", "b"], [5, 3])
+    bufs = SlotListBuffers(max_reqs=4, nnz_max=32, max_tokens=16)
+    m.build(bufs, ["a", "b"], [5, 3])
+    before = [t.clone() for t in (bufs.kv_indices, bufs.kv_indptr, bufs.slot_mapping, m.slots, m.alive)]
+    with pytest.raises(InvalidArgumentError, match="reqs: expected each request once"):
+        m.build(bufs, ["a", "a"], [0, 0])
+    after = (bufs.kv_indices, bufs.kv_indptr, bufs.slot_mapping, m.slots, m.alive)
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    m.check_against_table()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_mirror_on_cuda_without_cuda_is_a_typed_error():
+    rt = Runtime(num_blocks=32, block_size=4)
+    rt.add("a")
+    before = rt.table.snapshot()
+    with pytest.raises(InvalidArgumentError, match="device: expected an available device"):
+        DeviceMirror(rt.table, "cuda")
+    with pytest.raises(InvalidArgumentError, match="device: expected a torch device"):
+        DeviceMirror(rt.table, "not-a-device")
+    with pytest.raises(InvalidTypeError, match="table: expected a TokenTable"):
+        DeviceMirror(object())
+    assert_same(before, rt.table.snapshot())
+    assert rt.table.journal._readers == {}  # a rejected mirror never subscribed
+
+
+def test_a_mirror_made_late_and_one_made_early_agree_with_the_table():
+    """The mirror follows the journal: appends, evictions, finishes and relocation moves all reach it."""
+    rt = Runtime(num_blocks=64, block_size=4, seed=3, mirror=True, theta_F=0.0)
+    for r in range(3):
+        rt.add(r)
+    reclaimed = 0
+    late = None
+    for step in range(8):
+        reclaimed += len(rt.step(evict_frac=0.5, append=4, protect=2))  # relocation commits free blocks
+        if step == 3:
+            rt.mgr.finish_request(0)
+            late = DeviceMirror(rt.table, "cpu", initial_tokens=64, min_slack=4)
+    assert reclaimed > 0
+    for m in (rt.mirror, late):
+        m.check_against_table()

@@ -592,9 +592,6 @@ def test_gpu_zero_host_syncs_and_matches_cpu(monkeypatch):
     for rt in (cpu, gpu):
         for r in range(4):
             rt.table.add_request(r)
-        if rt is gpu:
-            for r in range(4):
-                mirror.add_request(r)
     pad = torch.full((1,), -1, dtype=torch.int32, device=dev)
     ops.compact_kv(gpu.caches, gpu.layout, pad, pad, validate=False)  # first-call setup outside the check
     rng_c, rng_g = np.random.default_rng(1), np.random.default_rng(1)
@@ -606,14 +603,11 @@ def test_gpu_zero_host_syncs_and_matches_cpu(monkeypatch):
             for rt, rng in ((cpu, rng_c), (gpu, rng_g)):
                 rt.mgr.before_forward()
                 reqs = rt.table.requests()
-                if rt is gpu:
-                    mirror.append(reqs, [6] * len(reqs))
-                else:
-                    rt.table.sync_new_tokens_batch(reqs, [6] * len(reqs))
+                rt.table.sync_new_tokens_batch(reqs, [6] * len(reqs))
                 for r in reqs:
                     live = rt.table.live_ids(r)[:-4]
                     v = rng.choice(live, size=len(live) // 3, replace=False)
-                    (mirror.evict if rt is gpu else rt.table.evict)(r, v)
+                    rt.table.evict(r, v)
                 if rt is gpu:
                     mirror.build(bufs, reqs, [6] * len(reqs))
                 rt.mgr.launch(rt.mgr.maybe_plan())

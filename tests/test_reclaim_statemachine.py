@@ -119,7 +119,6 @@ class ReclaimMachine(RuleBasedStateMachine):
         r = self.next_id
         self.next_id += 1
         self.table.add_request(r)
-        self.mirror.add_request(r)
         self.values[r], self.live[r], self.ntok[r] = {}, set(), 0
 
     @precondition(lambda self: 0 < len(self.live) < 6)
@@ -137,7 +136,6 @@ class ReclaimMachine(RuleBasedStateMachine):
         except InvalidArgumentError:  # not a pristine prefix (relocated or released): rejected, unchanged
             return
         self.next_id += 1
-        self.mirror.add_request(r)
         n = k * self.S
         self.values[r] = {t: self.values[donor][t] for t in range(n)}
         self.live[r], self.ntok[r] = set(range(n)), n
@@ -147,7 +145,7 @@ class ReclaimMachine(RuleBasedStateMachine):
     def append(self, data):
         reqs = data.draw(st.lists(st.sampled_from(self._reqs()), min_size=1, max_size=3, unique=True), label="reqs")
         counts = data.draw(st.lists(st.integers(0, 2 * self.S), min_size=len(reqs), max_size=len(reqs)), label="n")
-        slots = self.mirror.append(reqs, counts)
+        slots = self.table.sync_new_tokens_batch(reqs, counts)
         if slots is None:
             return
         off = 0
@@ -163,7 +161,7 @@ class ReclaimMachine(RuleBasedStateMachine):
         r = data.draw(st.sampled_from([r for r in self._reqs() if self.live[r]]), label="req")
         ids = data.draw(st.lists(st.sampled_from(sorted(self.live[r])), min_size=1, max_size=6, unique=True),
                         label="ids")
-        self.mirror.evict(r, ids)
+        self.table.evict(r, ids)
         self.live[r].difference_update(ids)
 
     @precondition(lambda self: bool(self.live))

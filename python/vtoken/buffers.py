@@ -1,4 +1,4 @@
-"""Device mirror of the token tables and the fixed-address attention buffers (ARCHITECTURE.md §3–§4).
+"""Device mirror of the token tables and the fixed-address attention buffers (docs/architecture.md).
 
 :class:`DeviceMirror` keeps, on the device, every tracked request's per-token
 ``slot`` (int32) and ``alive`` (int8) arrays. Appends, evictions and
@@ -35,11 +35,17 @@ NOTE: the mirror tensors may change address on a re-layout or growth; they
 are inputs of ``build_slot_lists`` (run before a graph replay), never
 captured themselves. The :class:`SlotListBuffers` tensors never move.
 
+The mirror follows the table through its delta journal
+(:mod:`vtoken.journal`): every append, eviction, move, registration and
+finish reaches it at the next :meth:`DeviceMirror.sync` (``build`` syncs
+first), so no caller has to remember to tell it. Without a table
+(the vLLM worker), :meth:`DeviceMirror.apply` takes the events directly.
+
 Per step (engine side)::
 
-    mirror.append(reqs, counts)            # table.sync_new_tokens_batch + deltas
-    mirror.evict(req, token_ids)           # table.evict + deltas
-    mirror.build(buffers, batch_reqs, new_token_counts)   # flush + build_slot_lists
+    table.sync_new_tokens_batch(reqs, counts)             # slot mapping of the new tokens
+    table.evict_flat(reqs, victims, counts)               # the policy's decisions
+    mirror.build(buffers, batch_reqs, new_token_counts)   # sync + flush + build_slot_lists
     # attention reads buffers.kv_indices / kv_indptr, writes K/V at buffers.slot_mapping
 """
 from __future__ import annotations
@@ -51,9 +57,20 @@ import torch
 
 from vtoken import PAD_SLOT, ops
 from vtoken.copy_engine import StagingRing
-from vtoken.errors import InvalidArgumentError, InvariantViolation, as_index_array
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, as_index_array, check_int, has_duplicates
 
 PAD = PAD_SLOT
+
+
+def _available_device(device) -> torch.device:
+    """``device`` as a torch.device, refusing CUDA where none is available."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidArgumentError(f"device: expected a torch device, got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(f"device: expected an available device, got {dev} (CUDA is not available here)")
+    return dev
 
 
 class SlotListBuffers:
@@ -108,105 +125,111 @@ class DeviceMirror:
         >>> from vtoken.table import TokenTable
         >>> t = TokenTable(BlockLedger(BlockPool(16), 4))
         >>> m = DeviceMirror(t, "cpu")
-        >>> t.add_request("a"); m.add_request("a")
-        >>> _ = m.append(["a"], [6]); m.evict("a", [1])
+        >>> t.add_request("a"); _ = t.sync_new_tokens("a", 6); t.evict("a", [1])
         >>> bufs = SlotListBuffers(max_reqs=2, nnz_max=16, max_tokens=8)
         >>> m.build(bufs, ["a"], [6])
         >>> bufs.kv_indices[:6].tolist(), bufs.kv_indptr[:2].tolist()
         ([4, 6, 7, 8, 9, -1], [0, 5])
     """
 
-    def __init__(self, table, device="cpu", *, initial_tokens: int = 1 << 16, slack: float = 0.25,
+    def __init__(self, table=None, device="cpu", *, initial_tokens: int = 1 << 16, slack: float = 0.25,
                  min_slack: int = 256):
-        if not 0.0 <= float(slack) <= 4.0:
-            raise InvalidArgumentError(f"slack: expected a fraction in [0, 4], got {slack}")
-        if not isinstance(min_slack, (int, np.integer)) or min_slack < 1:
-            raise InvalidArgumentError(f"min_slack: expected an int >= 1, got {min_slack!r}")
+        if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0.0 <= float(slack) <= 4.0:
+            raise InvalidArgumentError(f"slack: expected a fraction in [0, 4], got {slack!r}")
+        check_int("min_slack", min_slack, min_value=1)
+        check_int("initial_tokens", initial_tokens, min_value=1)
+        if table is not None and not hasattr(table, "journal"):
+            raise InvalidTypeError(f"table: expected a TokenTable (or None), got {type(table).__name__}")
+        self.device = _available_device(device)
         self.table = table
-        self.device = torch.device(device)
         self.slack, self.min_slack = float(slack), int(min_slack)
-        self.is_gpu = torch.cuda.is_available() and self.device.type == "cuda"
+        self.is_gpu = self.device.type == "cuda"
         cap = max(int(initial_tokens), 1024)
         self.slots = torch.full((cap,), PAD, dtype=torch.int32, device=self.device)
         self.alive = torch.zeros(cap, dtype=torch.int8, device=self.device)
         self._end = 0
-        # Per table row (grown with the table's row space).
+        # Per table row (grown with the row space seen in the events).
         self._start = np.zeros(64, dtype=np.int64)
         self._cap = np.zeros(64, dtype=np.int64)
         self._n = np.zeros(64, dtype=np.int64)
+        self._nlive = np.zeros(64, dtype=np.int64)
         self._tracked: dict = {}  # req -> row
+        self._req_of: dict = {}  # row -> req
         self._d_slot: list = []  # (positions int64, values int32)
         self._d_alive: list = []  # (positions int64, values int8)
         self._staging = StagingRing(pinned=True, dtype=torch.int64, prealloc=8, capacity=1 << 16) if self.is_gpu else None
         self.relayouts = 0
         self.bytes_shipped = 0
+        self._reader = None
+        if table is not None:
+            self._reader = table.journal.subscribe()
+            for req in table.requests():  # requests registered before the mirror existed
+                self._bootstrap(req)
 
     # ----------------------------------------------------------- tracking
     def _row(self, req) -> int:
         row = self._tracked.get(req)
         if row is None:
-            raise InvalidArgumentError(f"req: expected a request tracked by the mirror, got {req!r}")
+            raise InvalidArgumentError(f"reqs: expected requests tracked by the mirror, got {req!r}")
         return row
 
     def _ensure_rows(self, row: int) -> None:
         if row >= len(self._start):
             n = max(row + 1, 2 * len(self._start))
-            for name in ("_start", "_cap", "_n"):
+            for name in ("_start", "_cap", "_n", "_nlive"):
                 a = getattr(self, name)
                 setattr(self, name, np.concatenate([a, np.zeros(n - len(a), dtype=a.dtype)]))
 
     def _seg_cap(self, n: int) -> int:
         return int(n + max(self.min_slack, int(n * self.slack)))
 
-    def add_request(self, req) -> None:
-        """Start mirroring ``req`` (already registered in the table, prefix tokens included)."""
-        if req in self._tracked:
-            raise InvalidArgumentError(f"req: expected a request not yet mirrored, got {req!r}")
-        row = self.table.row_of(req)
-        self._ensure_rows(row)
-        n = self.table.num_tokens(req)
-        cap = self._seg_cap(n)
-        self._reserve_arena(self._end + cap)
-        self._start[row], self._cap[row], self._n[row] = self._end, cap, 0
-        self._end += cap
-        self._tracked[req] = row
-        if n:
-            pos = np.arange(n, dtype=np.int64)
-            self._n[row] = n
-            self._d_slot.append((self._start[row] + pos, self.table.slots(req)))
-            self._d_alive.append((self._start[row] + pos, self.table.live_mask(req).astype(np.int8)))
-
-    def remove_request(self, req) -> None:
-        """Stop mirroring ``req``: its segment becomes dead space (alive = 0)."""
-        row = self._tracked.get(req)
-        if row is None:
-            return
-        self.flush()  # pending deltas may still target the segment
-        s, n = int(self._start[row]), int(self._n[row])
-        if n:
-            self.alive[s : s + n].zero_()
-        del self._tracked[req]
-        self._n[row] = self._cap[row] = 0
-
     def tracked(self) -> list:
         return list(self._tracked)
 
-    # ------------------------------------------------------------- deltas
-    def record_append(self, reqs: Sequence, counts, slots: np.ndarray) -> None:
-        """``slots`` (int32): the new tokens' slots, request after request (as the table returns them)."""
-        counts = as_index_array("counts", counts)
-        rows = np.fromiter((self._row(r) for r in reqs), dtype=np.int64, count=len(reqs))
-        if len(rows) != len(counts):
-            raise InvalidArgumentError(f"counts: expected {len(rows)} entries, got {len(counts)}")
-        slots = np.asarray(slots)
-        if len(slots) != int(counts.sum()):
-            raise InvalidArgumentError(f"slots: expected {int(counts.sum())} slots, got {len(slots)}")
+    def live_count(self, req) -> int:
+        return int(self._nlive[self._row(req)])
+
+    def num_tokens(self, req) -> int:
+        return int(self._n[self._row(req)])
+
+    # ------------------------------------------------------------- events
+    def sync(self) -> None:
+        """Catch up with the table: apply the journal events since the last sync (host only)."""
+        if self._reader is not None:
+            self.apply(self.table.journal.take(self._reader))
+
+    def apply(self, events) -> None:
+        """Apply table events (:mod:`vtoken.journal`) in order; device writes wait for :meth:`flush`."""
+        for ev in events:
+            handler = self._HANDLERS.get(ev[0])
+            if handler is None:
+                raise InvalidArgumentError(f"events: expected kinds {sorted(self._HANDLERS)}, got {ev[0]!r}")
+            handler(self, *ev[1:])
+
+    def _bootstrap(self, req) -> None:
+        row = self.table.row_of(req)
+        self._on_add(row, req)
+        slots = self.table.slots(req)
+        self._on_append(np.array([row]), np.array([len(slots)]), slots)
+        dead = np.flatnonzero(~self.table.live_mask(req))
+        self._on_evict(np.full(len(dead), row, dtype=np.int64), dead)
+
+    def _on_add(self, row: int, req) -> None:
+        self._ensure_rows(row)
+        cap = self._seg_cap(0)
+        self._reserve_arena(self._end + cap)
+        self._start[row], self._cap[row], self._n[row], self._nlive[row] = self._end, cap, 0, 0
+        self._end += cap
+        self._tracked[req] = row
+        self._req_of[row] = req
+
+    def _on_append(self, rows: np.ndarray, counts: np.ndarray, slots: np.ndarray) -> None:
         need = self._n[rows] + counts
         over = np.flatnonzero(need > self._cap[rows])
         if len(over) == 1 and self._is_last(int(rows[over[0]])):
             self._extend_last(int(rows[over[0]]), int(need[over[0]]))
         elif len(over):
-            # One re-layout for all of them, sized for every batch request's new length.
+            # One re-layout for all of them, sized for every appending request's new length.
             order = sorted(self._tracked.values(), key=lambda r: self._start[r])
             self._relayout(order, dict(zip(rows.tolist(), need.tolist())))
         if len(slots) == 0:
@@ -217,38 +240,27 @@ class DeviceMirror:
         self._d_slot.append((pos, slots.astype(np.int32)))
         self._d_alive.append((pos, np.ones(len(pos), dtype=np.int8)))
         self._n[rows] += counts
+        self._nlive[rows] += counts
 
-    def record_evict(self, req, token_ids) -> None:
-        row = self._row(req)
-        t = as_index_array("token_ids", token_ids)
-        if t.size:
-            self._d_alive.append((self._start[row] + t, np.zeros(len(t), dtype=np.int8)))
+    def _on_evict(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        if token_ids.size:
+            self._d_alive.append((self._start[rows] + token_ids, np.zeros(len(token_ids), dtype=np.int8)))
+            np.subtract.at(self._nlive, rows, 1)
 
-    def record_moves(self, req, token_ids, new_slots) -> None:
-        row = self._row(req)
-        t = as_index_array("token_ids", token_ids)
-        if t.size:
-            self._d_slot.append((self._start[row] + t, np.asarray(new_slots, dtype=np.int32)))
+    def _on_move(self, row: int, token_ids: np.ndarray, new_slots: np.ndarray) -> None:
+        if token_ids.size:
+            self._d_slot.append((self._start[row] + token_ids, np.asarray(new_slots, dtype=np.int32)))
 
-    # -------------------------------------------------- table + delta wrappers
-    def append(self, reqs: Sequence, counts) -> Optional[np.ndarray]:
-        """``table.sync_new_tokens_batch`` plus its deltas; None (nothing changed) if blocks ran out."""
-        reqs = list(reqs)
-        counts = as_index_array("counts", counts)
-        slots = self.table.sync_new_tokens_batch(reqs, counts)
-        if slots is not None:
-            self.record_append(reqs, counts, slots)
-        return slots
+    def _on_finish(self, row: int) -> None:
+        """The request left: its segment becomes dead space (alive = 0)."""
+        self.flush()  # pending deltas may still target the segment
+        s, n = int(self._start[row]), int(self._n[row])
+        if n:
+            self.alive[s : s + n].zero_()
+        del self._tracked[self._req_of.pop(row)]
+        self._n[row] = self._cap[row] = self._nlive[row] = 0
 
-    def evict(self, req, token_ids) -> None:
-        """``table.evict`` plus its deltas."""
-        self.table.evict(req, token_ids)
-        self.record_evict(req, token_ids)
-
-    def evict_batch(self, reqs: Sequence, token_ids_per_req) -> None:
-        self.table.evict_batch(reqs, token_ids_per_req)
-        for r, t in zip(reqs, token_ids_per_req):
-            self.record_evict(r, t)
+    _HANDLERS = {"add": _on_add, "append": _on_append, "evict": _on_evict, "move": _on_move, "finish": _on_finish}
 
     # -------------------------------------------------------------- shipping
     @staticmethod
@@ -386,11 +398,14 @@ class DeviceMirror:
             raise InvalidArgumentError(f"reqs: expected at most max_reqs={buffers.max_reqs} requests, got {len(reqs)}")
         if buffers.device != self.device:
             raise InvalidArgumentError(f"buffers: expected device {self.device}, got {buffers.device}")
-        off = self.batch_offsets(reqs)
+        self.sync()
         rows = np.fromiter((self._row(r) for r in reqs), dtype=np.int64, count=len(reqs))
+        if has_duplicates(np.sort(rows)):
+            raise InvalidArgumentError(f"reqs: expected each request once, got duplicates in {reqs[:8]!r}")
+        off = self.batch_offsets(reqs)
         if len(reqs) and ((k < 0) | (k > self._n[rows])).any():
             raise InvalidArgumentError("new_token_counts: expected 0 <= count <= the request's tokens")
-        live = np.fromiter((self.table.live_count(r) for r in reqs), dtype=np.int64, count=len(reqs))
+        live = self._nlive[rows]
         if int(live.sum()) > buffers.nnz_max:
             raise InvalidArgumentError(f"buffers: expected nnz_max >= {int(live.sum())} live tokens, got {buffers.nnz_max}")
         if int(k.sum()) > buffers.max_tokens:
@@ -415,20 +430,24 @@ class DeviceMirror:
         buffers.kv_indptr_host[n + 1 :] = buffers.kv_indptr_host[n]
 
     # -------------------------------------------------------------- checking
-    def check_against_table(self) -> None:
-        """I2 for the mirror: every tracked request's device slots / alive equal the table (syncs)."""
+    def check_against_table(self, table=None) -> None:
+        """I2 for the mirror: it tracks the table's requests, with equal slots / alive (syncs the device)."""
+        table = self.table if table is None else table
+        self.sync()
         self.flush()
+        if sorted(map(repr, self._tracked)) != sorted(map(repr, table.requests())):
+            raise InvariantViolation("mirror: the tracked requests differ from the table's")
         slots = self.slots.cpu().numpy()
         alive = self.alive.cpu().numpy()
         covered = np.zeros(len(alive), dtype=bool)
         for req, row in self._tracked.items():
             s, n = int(self._start[row]), int(self._n[row])
-            if n != self.table.num_tokens(req):
-                raise InvariantViolation(f"mirror: request {req!r} has {n} tokens, the table {self.table.num_tokens(req)}")
-            if not np.array_equal(alive[s : s + n] != 0, self.table.live_mask(req)):
+            if n != table.num_tokens(req) or int(self._nlive[row]) != table.live_count(req):
+                raise InvariantViolation(f"mirror: request {req!r} has {n} tokens, the table {table.num_tokens(req)}")
+            mask = table.live_mask(req)
+            if not np.array_equal(alive[s : s + n] != 0, mask):
                 raise InvariantViolation(f"mirror: alive bits of request {req!r} differ from the table")
-            mask = self.table.live_mask(req)
-            if not np.array_equal(slots[s : s + n][mask], self.table.slots(req)[mask]):
+            if not np.array_equal(slots[s : s + n][mask], table.slots(req)[mask]):
                 raise InvariantViolation(f"mirror: live slots of request {req!r} differ from the table")
             covered[s : s + n] = True
         if alive[~covered].any():

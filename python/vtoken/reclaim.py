@@ -436,8 +436,6 @@ class ReclamationManager:
         alive = table.is_alive(req, plan.token_ids)
         if alive.all():
             released = table.relocation.apply_moves(req, plan.token_ids, plan.dst_slots)
-            if self.mirror is not None:
-                self.mirror.record_moves(req, plan.token_ids, plan.dst_slots)
             # Every source emptied; a full commit leaves nothing in flight.
             return released
         # Some moved tokens died after planning: commit the survivors if the
@@ -450,8 +448,6 @@ class ReclamationManager:
             rec.aborted_plans += 1
             return None
         released = [table.relocation.apply_moves(req, tids, dst)] if len(tids) else []
-        if self.mirror is not None and len(tids):
-            self.mirror.record_moves(req, tids, dst)
         table.relocation.release_destinations(req, np.setdiff1d(plan.dst_blocks, used))  # unused: back to the pool
         released.append(table.relocation.end_relocation(req, plan.src_blocks))
         return np.concatenate(released)
@@ -491,8 +487,6 @@ class ReclamationManager:
             self._planned = [p for p in self._planned if p.request != req]
             self._launched = [p for p in self._launched if p.request != req]
             self._record().aborted_plans += len(mine)
-        if self.mirror is not None:
-            self.mirror.remove_request(req)
         return self.table.finish(req)
 
     # -------------------------------------------------------------- checking

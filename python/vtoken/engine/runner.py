@@ -19,11 +19,10 @@ outside the captured region. On CPU every step runs eager over the same
 buffers.
 
 The slot lists come from :class:`vtoken.buffers.DeviceMirror` (the device
-copy of the token table, updated by deltas) and ``ops.build_slot_lists`` into
-the fixed-address :class:`vtoken.buffers.SlotListBuffers`. Every table change
-must therefore go through the runner (:meth:`ModelRunner.evict`,
-:meth:`ModelRunner.finish`) or the mirror (the reclaimer records its moves
-there), never straight to the table.
+copy of the token table) and ``ops.build_slot_lists`` into the fixed-address
+:class:`vtoken.buffers.SlotListBuffers`. The mirror follows the table through
+its delta journal, so any table change (the runner's, the reclaimer's moves,
+a direct call) reaches the device at the next build.
 
 Example (CPU, tiny random model)::
 
@@ -219,9 +218,7 @@ class ModelRunner:
             raise InvalidArgumentError(f"cuda_graph: expected a CUDA model for graph capture, got device {self.device}")
         # --- fixed-address buffers. Slot lists: the mirror builds them on the device.
         t, r, nnz = config.max_num_tokens, config.max_num_reqs, config.max_kv_indices
-        self.mirror = DeviceMirror(table, self.device)
-        for req in table.requests():  # a table handed over with requests in it
-            self.mirror.add_request(req)
+        self.mirror = DeviceMirror(table, self.device)  # follows the table's journal (requests already in it too)
         self.slot_lists = SlotListBuffers(max_reqs=r, nnz_max=nnz, max_tokens=t, device=self.device)
         # Token inputs: one int32 arena [input_ids | positions | q_indptr], filled by ONE H2D copy.
         # (int32 is enough: embedding and RoPE take int32 ids / positions.)
@@ -239,11 +236,10 @@ class ModelRunner:
     def add_request(self, req: Hashable, prefix_blocks=None) -> None:
         """Register ``req`` (optionally over shared full prefix blocks; see ``TokenTable.add_request``)."""
         self.table.add_request(req, prefix_blocks)
-        self.mirror.add_request(req)
 
     def evict(self, req: Hashable, token_ids) -> None:
-        """Mark ``token_ids`` of ``req`` dead (table + device mirror); they are never attended again."""
-        self.mirror.evict(req, token_ids)
+        """Mark ``token_ids`` of ``req`` dead; they are never attended again (the mirror follows the table)."""
+        self.table.evict(req, token_ids)
 
     def finish(self, req: Hashable) -> np.ndarray:
         """Drop ``req`` and release its blocks (also the way to preempt it for recompute).
@@ -253,7 +249,6 @@ class ModelRunner:
         """
         if self.reclaimer is not None:
             return self.reclaimer.finish_request(req)
-        self.mirror.remove_request(req)
         return self.table.finish(req)
 
     # ------------------------------------------------------------------ steps
@@ -315,7 +310,7 @@ class ModelRunner:
         for h in self.hooks:
             h.pre_forward(self)
         # --- state change: slots for the new tokens (None: out of blocks, nothing changed)
-        slot_mapping = self.mirror.append(reqs, counts)
+        slot_mapping = table.sync_new_tokens_batch(reqs, counts)
         if slot_mapping is None:
             return None
         positions = np.repeat(start - np.cumsum(counts) + counts, counts) + np.arange(total)
