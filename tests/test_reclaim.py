@@ -22,7 +22,7 @@ import torch
 from reclaim_helpers import Runtime, assert_same
 from vtoken import invariants, ops
 from vtoken.copy_engine import CopyEngine
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, UnknownRequestError
 from vtoken.ledger import DST_INFLIGHT, SHARED, SRC_INFLIGHT
 from vtoken.metrics import FIELDS
 from vtoken.planner import collect_moves, select_sources
@@ -438,6 +438,110 @@ def test_i4_rejects_bad_plans():
     with pytest.raises(InvariantViolation, match="headroom"):
         invariants.check_plans(plans, rt.table, max_dst=0, pre_launch=False)
     rt.mgr.abort()
+
+
+# --------------------------------------------------------------- bad input
+def _frozen(rt):
+    """Everything a rejected call must leave as it was: table, K/V caches, copy-engine log, in-flight set."""
+    return rt.table.snapshot(), [c.clone() for c in rt.caches], list(rt.mgr.copy_engine.log), rt.mgr.in_flight()
+
+
+def _assert_unchanged(rt, frozen):
+    snap, caches, log, in_flight = frozen
+    assert_same(snap, rt.table.snapshot())
+    assert all(torch.equal(a, b) for a, b in zip(caches, rt.caches)), "a rejected launch copied K/V"
+    assert list(rt.mgr.copy_engine.log) == log and rt.mgr.in_flight() == in_flight
+
+
+def test_launch_rejects_a_repeated_plan_before_copying():
+    rt = _sparse_runtime()
+    plans = rt.mgr.maybe_plan()
+    frozen = _frozen(rt)
+    with pytest.raises(InvalidArgumentError, match="plans: expected each plan once"):
+        rt.mgr.launch([plans[0], plans[0]])
+    _assert_unchanged(rt, frozen)
+    assert rt.mgr.copy_engine.launches == 0
+    # The step goes on: the plans launch once and commit.
+    rt.mgr.launch(plans)
+    freed = rt.mgr.commit()
+    assert set(freed.tolist()) == {b for p in plans for b in p.src_blocks.tolist()}
+    assert rt.mgr.metrics.records[-1].aborted_plans == 0 and rt.ledger.num_inflight == 0
+
+
+def _reregister_a(rt, plans):
+    """Finish "a" behind the manager's back and register the id again: it gets the same row back."""
+    old = next(p for p in plans if p.request == "a")
+    rt.table.finish("a")
+    rt.add("a")
+    rt.append(["a"], [6])
+    assert rt.table.row_of("a") == old.meta["row"], "the scenario needs the row reused"
+    assert rt.table.generation("a") != old.meta["generation"]
+    return old
+
+
+def test_launch_rejects_a_plan_whose_request_was_re_registered():
+    rt = _sparse_runtime()
+    plans = rt.mgr.maybe_plan()
+    _reregister_a(rt, plans)
+    frozen = _frozen(rt)
+    with pytest.raises(InvalidArgumentError, match="finished since maybe_plan"):
+        rt.mgr.launch(plans)  # its destinations were freed by the finish: copying would write into free blocks
+    _assert_unchanged(rt, frozen)
+    new_a = rt.table.snapshot()["per_request"]["a"]
+    b_plan = next(p for p in plans if p.request == "b")
+    rt.mgr.launch([b_plan])
+    freed = rt.mgr.commit()  # the stale plan is dropped, b's commits
+    assert set(freed.tolist()) == set(b_plan.src_blocks.tolist())
+    assert_same(new_a, rt.table.snapshot()["per_request"]["a"])
+    assert rt.mgr.in_flight() == [] and rt.ledger.num_inflight == 0
+    rt.table.check_invariants()
+
+
+def test_commit_drops_a_launched_plan_whose_request_was_re_registered():
+    """Before the generation check the stale plan matched (same id, same row) and every commit raised."""
+    rt = _sparse_runtime()
+    plans = rt.mgr.maybe_plan()
+    rt.mgr.launch(plans)
+    _reregister_a(rt, plans)
+    new_a = rt.table.snapshot()["per_request"]["a"]
+    freed = rt.mgr.commit()  # I1 (debug flag) skips the old registration too
+    b_plan = next(p for p in plans if p.request == "b")
+    assert set(freed.tolist()) == set(b_plan.src_blocks.tolist())
+    assert_same(new_a, rt.table.snapshot()["per_request"]["a"])
+    assert rt.mgr.in_flight() == [] and rt.ledger.num_inflight == 0
+    assert len(rt.mgr.commit()) == 0, "the next step commits normally"
+    rt.table.check_invariants()
+
+
+@pytest.mark.parametrize("table", [None, "table", 3])
+def test_manager_rejects_a_table_that_is_not_a_token_table(table):
+    with pytest.raises(InvalidTypeError, match="table: expected a TokenTable"):
+        ReclamationManager(table)
+
+
+def test_manager_rejects_bad_arguments_before_reserving_headroom():
+    rt = _sparse_runtime()
+    snap = rt.table.snapshot()
+    with pytest.raises(InvalidTypeError, match="config"):
+        ReclamationManager(rt.table, {"mode": "vtoken"})
+    with pytest.raises(InvalidArgumentError, match="copy_engine"):
+        ReclamationManager(rt.table, ReclaimConfig(headroom_blocks=9, max_moves_per_step=64),
+                           copy_engine=CopyEngine(None, None, max_moves=8))
+    assert_same(snap, rt.table.snapshot())  # the reserve (6) was not replaced by 9
+
+
+def test_finish_request_rejects_an_unknown_request_and_changes_nothing():
+    rt = _sparse_runtime()
+    rt.mgr.maybe_plan()
+    rt.table.finish("a")  # behind the manager's back: a's plan is stale, "a" unknown
+    frozen = _frozen(rt)
+    for req in ("a", "nobody"):
+        with pytest.raises(UnknownRequestError, match="req"):
+            rt.mgr.finish_request(req)
+        _assert_unchanged(rt, frozen)
+    rt.mgr.commit()  # rolls back b's plan, drops a's stale one
+    assert rt.mgr.metrics.records[-1].aborted_plans == 2
+    assert rt.mgr.in_flight() == [] and rt.ledger.num_inflight == 0
 
 
 # ------------------------------------------- trigger, headroom, backpressure

@@ -46,6 +46,7 @@ from vtoken.reclaim_checks import ReclaimChecks
 from vtoken.reclaim_config import MODES, AdmissionBudget, Count, ReclaimConfig
 from vtoken.reclaim_executor import PlanExecutor
 from vtoken.reclaim_trigger import ReclaimTrigger
+from vtoken.table import TokenTable
 
 __all__ = ["MODES", "AdmissionBudget", "Count", "ReclaimConfig", "ReclamationManager"]
 
@@ -87,6 +88,8 @@ class ReclamationManager:
         compute_stream=None,
         device=None,
     ):
+        if not isinstance(table, TokenTable):
+            raise InvalidTypeError(f"table: expected a TokenTable, got {type(table).__name__}")
         self.config = config if config is not None else ReclaimConfig()
         if not isinstance(self.config, ReclaimConfig):
             raise InvalidTypeError(f"config: expected a ReclaimConfig, got {type(self.config).__name__}")
@@ -94,7 +97,6 @@ class ReclamationManager:
         self.ledger = table.ledger
         self.S = table.S
         self.trigger = ReclaimTrigger(table, self.config)
-        self.trigger.reserve_headroom()
         if copy_engine is None:
             copy_engine = CopyEngine(
                 kv_caches, layout, max_moves=self.config.max_moves_per_step,
@@ -105,6 +107,7 @@ class ReclamationManager:
                 f"copy_engine: expected max_moves >= max_moves_per_step ({self.config.max_moves_per_step}), "
                 f"got {copy_engine.max_moves}"
             )
+        self.trigger.reserve_headroom()  # the first state change: every argument is valid
         self.copy_engine = copy_engine
         self.mirror = mirror
         self.checks = ReclaimChecks(table, copy_engine, mirror, self.config.check_invariants)
@@ -194,9 +197,12 @@ class ReclamationManager:
     def launch(self, plans: Optional[Sequence[Plan]] = None):
         """Copy the moves of ``plans`` (default: every plan of this step) after the forward.
 
-        ONE ``compact_kv`` launch for all of them. On a copy failure every plan
-        of the step is rolled back (destinations freed, sources and table
-        untouched) and the error is re-raised. Returns the copy ticket or None.
+        ONE ``compact_kv`` launch for all of them. ``plans`` must be this
+        step's unlaunched plans, each once, of requests still registered
+        (:class:`vtoken.errors.InvalidArgumentError` otherwise, before any
+        copy). On a copy failure every unlaunched plan of the step is rolled
+        back (destinations freed, sources and table untouched) and the error is
+        re-raised. Returns the copy ticket or None.
         """
         return self.executor.launch(plans, step=self.step, rec=self._record())
 

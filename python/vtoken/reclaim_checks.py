@@ -28,7 +28,7 @@ class ReclaimChecks:
         self.copy_engine = copy_engine
         self.mirror = mirror
         self.flag = flag
-        # request -> (live ids, every layer's K/V rows) at launch
+        # request -> (its registration number, live ids, every layer's K/V rows) at launch
         self._before: dict = {}
 
     @property
@@ -56,7 +56,7 @@ class ReclaimChecks:
             ids = table.live_ids(p.request)
             slots = table.live_slots(p.request)
             rows = [invariants.gather_token_rows(c, eng.layout, slots).cpu() for c in eng.kv_caches]
-            self._before[p.request] = (ids, rows)
+            self._before[p.request] = (table.generation(p.request), ids, rows)
 
     def check_after_commit(self) -> None:
         """I1 on every captured request still registered (its survivors), then I2 (table vs mirror)."""
@@ -65,8 +65,8 @@ class ReclaimChecks:
         eng, table = self.copy_engine, self.table
         if self._before:
             eng.synchronize()  # the "after" side must read completed copies (debug only)
-            for req, (ids, rows) in self._before.items():
-                if req not in table:
+            for req, (generation, ids, rows) in self._before.items():
+                if req not in table or table.generation(req) != generation:  # finished (maybe re-registered)
                     continue
                 still = table.is_alive(req, ids)
                 keep_ids = ids[still]

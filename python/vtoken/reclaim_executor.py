@@ -6,6 +6,12 @@ Life of a plan (one per request at a time, I4)::
     launch    its moves copied on the relocation stream (one compact_kv per call)
     commit    the table and the mirror switch to the destinations, the sources are freed
     rollback  destinations freed, sources back to OWNED, the table untouched
+
+A plan remembers the registration of its request (``plan.meta["generation"]``,
+from :meth:`vtoken.table.TokenTable.generation`): once that request is
+finished, even if an id is registered again (and gets the same row), the plan
+is stale; its blocks were freed by the finish, so it is never copied,
+committed or rolled back.
 """
 from __future__ import annotations
 
@@ -67,6 +73,7 @@ class PlanExecutor:
         plan = make_plan(req, table.slots(req), table.live_mask(req), choice, dst,
                          block_size=table.S, num_blocks=led.num_blocks)
         plan.meta["row"] = row
+        plan.meta["generation"] = table.generation(req)
         self.checks.check_plan(plan)
         table.begin_relocation(req, plan.src_blocks)
         self._busy[req] = plan
@@ -77,8 +84,9 @@ class PlanExecutor:
     def launch(self, plans: Optional[Sequence[Plan]], *, step: int, rec: StepRecord):
         """Copy the moves of ``plans`` (``None``: every unlaunched plan) in ONE copy launch.
 
-        ``plans`` must be unlaunched plans of this step. On a copy failure every
-        unlaunched plan is rolled back and the error re-raised.
+        ``plans`` must be unlaunched plans of this step, each once, of requests
+        still registered; anything else is rejected before any copy. On a copy
+        failure every unlaunched plan is rolled back and the error re-raised.
         Returns the copy ticket or None.
         """
         plans = list(self._planned) if plans is None else list(plans)
@@ -112,6 +120,19 @@ class PlanExecutor:
         ids = {id(p) for p in self._planned}
         if any(id(p) not in ids for p in plans):
             raise InvalidArgumentError("plans: expected plans made by this step's maybe_plan(), got foreign plans")
+        # NOTE: a repeated plan would copy its moves twice (the GPU copy does not
+        # re-check destinations) and then fail every commit.
+        seen: set = set()
+        for p in plans:
+            if id(p) in seen:
+                raise InvalidArgumentError(f"plans: expected each plan once, got the plan of {p.request!r} twice")
+            seen.add(id(p))
+        for p in plans:
+            if not self._is_current(p):
+                raise InvalidArgumentError(
+                    f"plans: expected plans of registered requests, got a plan of {p.request!r}, "
+                    "finished since maybe_plan() (its destinations were freed)"
+                )
 
     # ---------------------------------------------------------------- commit
     def commit(self, *, step: int, rec: StepRecord) -> np.ndarray:
@@ -178,6 +199,7 @@ class PlanExecutor:
 
     def finish_request(self, req, rec: StepRecord) -> np.ndarray:
         """Roll back ``req``'s uncommitted plan, then free everything it holds (table.finish)."""
+        self.table.row_of(req)  # an unknown request raises before anything changes
         mine = [p for p in self._planned + self._launched if p.request == req]
         if mine:
             self._rollback(mine)
@@ -202,9 +224,11 @@ class PlanExecutor:
 
     # ------------------------------------------------------------- helpers
     def _is_current(self, plan: Plan) -> bool:
-        """The plan's request is still registered in the row it was planned for."""
+        """The plan's request is still the registration it was made for."""
         req = plan.request
-        return req in self.table and self.table.row_of(req) == plan.meta.get("row")
+        return req in self.table and self.table.generation(req) == plan.meta.get("generation")
 
     def _unbusy(self, plan: Plan) -> None:
-        self._busy.pop(plan.request, None)
+        # Only this plan's own entry: a stale plan must not clear a newer registration's plan.
+        if self._busy.get(plan.request) is plan:
+            del self._busy[plan.request]
