@@ -26,7 +26,7 @@ from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViola
 from vtoken.ledger import DST_INFLIGHT, SHARED, SRC_INFLIGHT
 from vtoken.metrics import FIELDS
 from vtoken.planner import collect_moves, select_sources
-from vtoken.reclaim import ReclaimConfig, ReclamationManager
+from vtoken.reclaim import MAX_MOVES_PER_STEP, ReclaimConfig, ReclamationManager
 
 SEEDS = (0, 1, 2)
 BLOCK_SIZES = (1, 3, 4, 16)
@@ -121,6 +121,9 @@ def test_collect_moves_logical_order_and_stale_slots():
         (dict(check_interval=True), InvalidTypeError, "check_interval"),
         (dict(max_src_per_plan=1), InvalidArgumentError, "max_src_per_plan"),
         (dict(max_moves_per_step=0), InvalidArgumentError, "max_moves_per_step"),
+        (dict(max_moves_per_step=2**31), InvalidArgumentError, "max_moves_per_step"),
+        (dict(max_moves_per_step=2**40), InvalidArgumentError, "max_moves_per_step"),
+        (dict(max_moves_per_step=8192.0), InvalidTypeError, "max_moves_per_step"),
         (dict(min_gain=0), InvalidArgumentError, "min_gain"),
         (dict(force_sync=1), InvalidTypeError, "force_sync"),
         (dict(check_invariants="yes"), InvalidTypeError, "check_invariants"),
@@ -513,6 +516,25 @@ def test_commit_drops_a_launched_plan_whose_request_was_re_registered():
     rt.table.check_invariants()
 
 
+def test_move_buffer_is_sized_by_the_pool_not_by_the_setting():
+    """max_moves_per_step may be as large as int32 slots allow; the move buffer never exceeds the pool's slots."""
+    assert ReclaimConfig(max_moves_per_step=MAX_MOVES_PER_STEP).max_moves_per_step == 2**31 - 1
+    rt = _sparse_runtime(max_moves_per_step=MAX_MOVES_PER_STEP)
+    usable_slots = rt.ledger.usable_blocks * rt.S
+    assert rt.mgr.moves_capacity() == rt.mgr.copy_engine.max_moves == usable_slots
+    assert CopyEngine(rt.caches, rt.layout, max_moves=MAX_MOVES_PER_STEP).max_moves == rt.layout.num_slots
+    # An engine sized to the caches serves any setting; one smaller than a step's moves is refused, unchanged.
+    snap = rt.table.snapshot()
+    ReclamationManager(rt.table, rt.mgr.config, copy_engine=CopyEngine(rt.caches, rt.layout, max_moves=2**40))
+    with pytest.raises(InvalidArgumentError, match=f"copy_engine: expected max_moves >= {usable_slots}"):
+        ReclamationManager(rt.table, rt.mgr.config, copy_engine=CopyEngine(None, None, max_moves=usable_slots - 1))
+    assert_same(snap, rt.table.snapshot())
+    # Reclamation runs as with a step-sized setting.
+    plans = rt.mgr.maybe_plan()
+    rt.mgr.launch(plans)
+    assert len(rt.mgr.commit()) > 0 and rt.mgr.metrics.records[-1].moves == sum(p.num_moves for p in plans) > 0
+
+
 @pytest.mark.parametrize("table", [None, "table", 3])
 def test_manager_rejects_a_table_that_is_not_a_token_table(table):
     with pytest.raises(InvalidTypeError, match="table: expected a TokenTable"):
@@ -750,6 +772,14 @@ def test_gpu_force_sync_stalls_the_host():
     assert ticket.event.query(), "force_sync: the copy completed before launch returned"
     mgr.commit()
     assert mgr.metrics.records[-1].host_stall_us == ticket.host_stall_us >= 0.0
+
+
+@pytest.mark.gpu
+def test_gpu_move_buffer_is_bounded_by_the_caches():
+    rt = _sparse_runtime()
+    caches = [c.to("cuda") for c in rt.caches]
+    eng = CopyEngine(caches, rt.layout, max_moves=MAX_MOVES_PER_STEP)
+    assert eng.max_moves == rt.layout.num_slots and eng._moves_dev.numel() == 2 * rt.layout.num_slots
 
 
 @pytest.mark.parametrize("check_interval", [1, 8])

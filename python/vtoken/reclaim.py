@@ -43,12 +43,12 @@ from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.metrics import MetricsLog, StepRecord
 from vtoken.planner import Plan
 from vtoken.reclaim_checks import ReclaimChecks
-from vtoken.reclaim_config import MODES, AdmissionBudget, Count, ReclaimConfig
+from vtoken.reclaim_config import MAX_MOVES_PER_STEP, MODES, AdmissionBudget, Count, ReclaimConfig
 from vtoken.reclaim_executor import PlanExecutor
 from vtoken.reclaim_trigger import ReclaimTrigger
 from vtoken.table import TokenTable
 
-__all__ = ["MODES", "AdmissionBudget", "Count", "ReclaimConfig", "ReclamationManager"]
+__all__ = ["MAX_MOVES_PER_STEP", "MODES", "AdmissionBudget", "Count", "ReclaimConfig", "ReclamationManager"]
 
 
 class ReclamationManager:
@@ -60,7 +60,8 @@ class ReclamationManager:
         kv_caches / layout: every layer's KV cache and its layout, for the
             copy; ``None`` runs the bookkeeping only (no data moves).
         mirror: a :class:`vtoken.buffers.DeviceMirror` to receive the moves.
-        copy_engine: a prepared :class:`CopyEngine` (else one is built).
+        copy_engine: a prepared :class:`CopyEngine` (else one is built); its
+            ``max_moves`` must cover a step's moves (see :meth:`moves_capacity`).
         compute_stream / device: passed to the copy engine.
 
     Example (bookkeeping only):
@@ -97,15 +98,16 @@ class ReclamationManager:
         self.ledger = table.ledger
         self.S = table.S
         self.trigger = ReclaimTrigger(table, self.config)
+        need = self.moves_capacity()
         if copy_engine is None:
             copy_engine = CopyEngine(
-                kv_caches, layout, max_moves=self.config.max_moves_per_step,
+                kv_caches, layout, max_moves=need,
                 force_sync=self.config.force_sync, compute_stream=compute_stream, device=device,
             )
-        elif copy_engine.max_moves < self.config.max_moves_per_step:
+        elif copy_engine.max_moves < need:
             raise InvalidArgumentError(
-                f"copy_engine: expected max_moves >= max_moves_per_step ({self.config.max_moves_per_step}), "
-                f"got {copy_engine.max_moves}"
+                f"copy_engine: expected max_moves >= {need} (max_moves_per_step, at most the pool's "
+                f"usable slots), got {copy_engine.max_moves}"
             )
         self.trigger.reserve_headroom()  # the first state change: every argument is valid
         self.copy_engine = copy_engine
@@ -115,6 +117,16 @@ class ReclamationManager:
         self.metrics = MetricsLog()
         self.step = 0
         self._rec: Optional[StepRecord] = None
+
+    def moves_capacity(self) -> int:
+        """The most moves one step can launch: ``max_moves_per_step``, at most the pool's usable slots.
+
+        NOTE: destinations are unique slots of the pool, so no step moves more
+        tokens than ``usable_blocks * block_size``; sizing the copy engine's
+        move buffer by this bound keeps a huge setting from allocating a huge
+        device buffer.
+        """
+        return max(1, min(self.config.max_moves_per_step, self.ledger.usable_blocks * self.S))
 
     # ------------------------------------------------------------ properties
     @property

@@ -13,6 +13,11 @@ from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_int, is_
 MODES = ("native", "naive", "vtoken")
 Count = Union[int, float]
 
+# NOTE: slots are int32 on the device, so one step can never address more moves
+# than this; the copy engine's move buffer is sized from the smaller of this
+# setting and the pool's slot count, never from the setting alone.
+MAX_MOVES_PER_STEP = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class ReclaimConfig:
@@ -30,7 +35,8 @@ class ReclaimConfig:
         headroom_blocks: destination reserve held back from admission.
         check_interval: steps between trigger checks (every step while pending).
         max_src_per_plan: sources per plan at most (sparsest first).
-        max_moves_per_step: tokens moved per step at most (the move buffer size).
+        max_moves_per_step: tokens moved per step at most, in
+            ``[1, MAX_MOVES_PER_STEP]`` (2**31 - 1: slots are int32).
         min_gain: reclaim only if at least this many blocks can be freed.
         force_sync: the host waits on each copy (the paper's ablation).
         check_invariants: run I1/I2/I4 every step; ``None`` reads
@@ -71,7 +77,7 @@ class ReclaimConfig:
                 raise InvalidTypeError(f"{name}: expected an int (blocks) or a float (fraction), got {type(v).__name__}")
         check_int("check_interval", self.check_interval, min_value=1)
         check_int("max_src_per_plan", self.max_src_per_plan, min_value=2)
-        check_int("max_moves_per_step", self.max_moves_per_step, min_value=1)
+        check_int("max_moves_per_step", self.max_moves_per_step, min_value=1, max_value=MAX_MOVES_PER_STEP)
         check_int("min_gain", self.min_gain, min_value=1)
         if not isinstance(self.force_sync, bool):
             raise InvalidTypeError(f"force_sync: expected a bool, got {type(self.force_sync).__name__}")
