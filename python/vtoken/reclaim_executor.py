@@ -184,7 +184,11 @@ class PlanExecutor:
         return np.concatenate(released)
 
     def _publish_moves(self, req, token_ids: np.ndarray, dst_slots: np.ndarray) -> None:
-        """Hand committed moves to the mirror (it updates its device copy of the slots lazily)."""
+        """Hand committed moves to the mirror (it updates its device copy of the slots lazily).
+
+        The only place moves leave the executor: once the table records its own
+        moves for the mirror, this method is the one place to change.
+        """
         if self.mirror is not None:
             self.mirror.record_moves(req, token_ids, dst_slots)
 
