@@ -22,11 +22,11 @@ import torch
 from reclaim_helpers import Runtime, assert_same
 from vtoken import invariants, ops
 from vtoken.copy_engine import CopyEngine
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, UnknownRequestError
 from vtoken.ledger import DST_INFLIGHT, SHARED, SRC_INFLIGHT
 from vtoken.metrics import FIELDS
 from vtoken.planner import collect_moves, select_sources
-from vtoken.reclaim import ReclaimConfig, ReclamationManager
+from vtoken.reclaim import MAX_MOVES_PER_STEP, ReclaimConfig, ReclamationManager
 
 SEEDS = (0, 1, 2)
 BLOCK_SIZES = (1, 3, 4, 16)
@@ -121,6 +121,9 @@ def test_collect_moves_logical_order_and_stale_slots():
         (dict(check_interval=True), InvalidTypeError, "check_interval"),
         (dict(max_src_per_plan=1), InvalidArgumentError, "max_src_per_plan"),
         (dict(max_moves_per_step=0), InvalidArgumentError, "max_moves_per_step"),
+        (dict(max_moves_per_step=2**31), InvalidArgumentError, "max_moves_per_step"),
+        (dict(max_moves_per_step=2**40), InvalidArgumentError, "max_moves_per_step"),
+        (dict(max_moves_per_step=8192.0), InvalidTypeError, "max_moves_per_step"),
         (dict(min_gain=0), InvalidArgumentError, "min_gain"),
         (dict(force_sync=1), InvalidTypeError, "force_sync"),
         (dict(check_invariants="yes"), InvalidTypeError, "check_invariants"),
@@ -360,10 +363,12 @@ def test_plans_are_exclusive_per_request_and_from_this_step():
     with pytest.raises(InvalidArgumentError, match="unlaunched"):
         rt.mgr.maybe_plan()
     rt.mgr.launch(plans[:1])
-    # plans[0]'s request is in flight: a new plan never includes it (I4).
-    assert plans[0].request in rt.mgr.in_flight()
-    other = rt.mgr.maybe_plan() if not rt.mgr._planned else []
-    assert all(p.request != plans[0].request for p in other)
+    with pytest.raises(InvalidArgumentError, match="unlaunched"):  # plans[1] is still unlaunched
+        rt.mgr.maybe_plan()
+    rt.mgr.launch(plans[1:])
+    # Both requests are in flight: a new plan never includes them (I4).
+    assert set(rt.mgr.in_flight()) == {p.request for p in plans}
+    assert rt.mgr.maybe_plan() == []
     with pytest.raises(InvalidArgumentError, match="foreign"):
         rt.mgr.launch([plans[0]])
     rt.mgr.commit()
@@ -436,6 +441,129 @@ def test_i4_rejects_bad_plans():
     with pytest.raises(InvariantViolation, match="headroom"):
         invariants.check_plans(plans, rt.table, max_dst=0, pre_launch=False)
     rt.mgr.abort()
+
+
+# --------------------------------------------------------------- bad input
+def _frozen(rt):
+    """Everything a rejected call must leave as it was: table, K/V caches, copy-engine log, in-flight set."""
+    return rt.table.snapshot(), [c.clone() for c in rt.caches], list(rt.mgr.copy_engine.log), rt.mgr.in_flight()
+
+
+def _assert_unchanged(rt, frozen):
+    snap, caches, log, in_flight = frozen
+    assert_same(snap, rt.table.snapshot())
+    assert all(torch.equal(a, b) for a, b in zip(caches, rt.caches)), "a rejected launch copied K/V"
+    assert list(rt.mgr.copy_engine.log) == log and rt.mgr.in_flight() == in_flight
+
+
+def test_launch_rejects_a_repeated_plan_before_copying():
+    rt = _sparse_runtime()
+    plans = rt.mgr.maybe_plan()
+    frozen = _frozen(rt)
+    with pytest.raises(InvalidArgumentError, match="plans: expected each plan once"):
+        rt.mgr.launch([plans[0], plans[0]])
+    _assert_unchanged(rt, frozen)
+    assert rt.mgr.copy_engine.launches == 0
+    # The step goes on: the plans launch once and commit.
+    rt.mgr.launch(plans)
+    freed = rt.mgr.commit()
+    assert set(freed.tolist()) == {b for p in plans for b in p.src_blocks.tolist()}
+    assert rt.mgr.metrics.records[-1].aborted_plans == 0 and rt.ledger.num_inflight == 0
+
+
+def _reregister_a(rt, plans):
+    """Finish "a" behind the manager's back and register the id again: it gets the same row back."""
+    old = next(p for p in plans if p.request == "a")
+    rt.table.finish("a")
+    rt.add("a")
+    rt.append(["a"], [6])
+    assert rt.table.row_of("a") == old.meta["row"], "the scenario needs the row reused"
+    assert rt.table.generation("a") != old.meta["generation"]
+    return old
+
+
+def test_launch_rejects_a_plan_whose_request_was_re_registered():
+    rt = _sparse_runtime()
+    plans = rt.mgr.maybe_plan()
+    _reregister_a(rt, plans)
+    frozen = _frozen(rt)
+    with pytest.raises(InvalidArgumentError, match="finished since maybe_plan"):
+        rt.mgr.launch(plans)  # its destinations were freed by the finish: copying would write into free blocks
+    _assert_unchanged(rt, frozen)
+    new_a = rt.table.snapshot()["per_request"]["a"]
+    b_plan = next(p for p in plans if p.request == "b")
+    rt.mgr.launch([b_plan])
+    freed = rt.mgr.commit()  # the stale plan is dropped, b's commits
+    assert set(freed.tolist()) == set(b_plan.src_blocks.tolist())
+    assert_same(new_a, rt.table.snapshot()["per_request"]["a"])
+    assert rt.mgr.in_flight() == [] and rt.ledger.num_inflight == 0
+    rt.table.check_invariants()
+
+
+def test_commit_drops_a_launched_plan_whose_request_was_re_registered():
+    """Before the generation check the stale plan matched (same id, same row) and every commit raised."""
+    rt = _sparse_runtime()
+    plans = rt.mgr.maybe_plan()
+    rt.mgr.launch(plans)
+    _reregister_a(rt, plans)
+    new_a = rt.table.snapshot()["per_request"]["a"]
+    freed = rt.mgr.commit()  # I1 (debug flag) skips the old registration too
+    b_plan = next(p for p in plans if p.request == "b")
+    assert set(freed.tolist()) == set(b_plan.src_blocks.tolist())
+    assert_same(new_a, rt.table.snapshot()["per_request"]["a"])
+    assert rt.mgr.in_flight() == [] and rt.ledger.num_inflight == 0
+    assert len(rt.mgr.commit()) == 0, "the next step commits normally"
+    rt.table.check_invariants()
+
+
+def test_move_buffer_is_sized_by_the_pool_not_by_the_setting():
+    """max_moves_per_step may be as large as int32 slots allow; the move buffer never exceeds the pool's slots."""
+    assert ReclaimConfig(max_moves_per_step=MAX_MOVES_PER_STEP).max_moves_per_step == 2**31 - 1
+    rt = _sparse_runtime(max_moves_per_step=MAX_MOVES_PER_STEP)
+    usable_slots = rt.ledger.usable_blocks * rt.S
+    assert rt.mgr.moves_capacity() == rt.mgr.copy_engine.max_moves == usable_slots
+    assert CopyEngine(rt.caches, rt.layout, max_moves=MAX_MOVES_PER_STEP).max_moves == rt.layout.num_slots
+    # An engine sized to the caches serves any setting; one smaller than a step's moves is refused, unchanged.
+    snap = rt.table.snapshot()
+    ReclamationManager(rt.table, rt.mgr.config, copy_engine=CopyEngine(rt.caches, rt.layout, max_moves=2**40))
+    with pytest.raises(InvalidArgumentError, match=f"copy_engine: expected max_moves >= {usable_slots}"):
+        ReclamationManager(rt.table, rt.mgr.config, copy_engine=CopyEngine(None, None, max_moves=usable_slots - 1))
+    assert_same(snap, rt.table.snapshot())
+    # Reclamation runs as with a step-sized setting.
+    plans = rt.mgr.maybe_plan()
+    rt.mgr.launch(plans)
+    assert len(rt.mgr.commit()) > 0 and rt.mgr.metrics.records[-1].moves == sum(p.num_moves for p in plans) > 0
+
+
+@pytest.mark.parametrize("table", [None, "table", 3])
+def test_manager_rejects_a_table_that_is_not_a_token_table(table):
+    with pytest.raises(InvalidTypeError, match="table: expected a TokenTable"):
+        ReclamationManager(table)
+
+
+def test_manager_rejects_bad_arguments_before_reserving_headroom():
+    rt = _sparse_runtime()
+    snap = rt.table.snapshot()
+    with pytest.raises(InvalidTypeError, match="config"):
+        ReclamationManager(rt.table, {"mode": "vtoken"})
+    with pytest.raises(InvalidArgumentError, match="copy_engine"):
+        ReclamationManager(rt.table, ReclaimConfig(headroom_blocks=9, max_moves_per_step=64),
+                           copy_engine=CopyEngine(None, None, max_moves=8))
+    assert_same(snap, rt.table.snapshot())  # the reserve (6) was not replaced by 9
+
+
+def test_finish_request_rejects_an_unknown_request_and_changes_nothing():
+    rt = _sparse_runtime()
+    rt.mgr.maybe_plan()
+    rt.table.finish("a")  # behind the manager's back: a's plan is stale, "a" unknown
+    frozen = _frozen(rt)
+    for req in ("a", "nobody"):
+        with pytest.raises(UnknownRequestError, match="req"):
+            rt.mgr.finish_request(req)
+        _assert_unchanged(rt, frozen)
+    rt.mgr.commit()  # rolls back b's plan, drops a's stale one
+    assert rt.mgr.metrics.records[-1].aborted_plans == 2
+    assert rt.mgr.in_flight() == [] and rt.ledger.num_inflight == 0
 
 
 # ------------------------------------------- trigger, headroom, backpressure
@@ -640,6 +768,14 @@ def test_gpu_force_sync_stalls_the_host():
     assert mgr.metrics.records[-1].host_stall_us == ticket.host_stall_us >= 0.0
 
 
+@pytest.mark.gpu
+def test_gpu_move_buffer_is_bounded_by_the_caches():
+    rt = _sparse_runtime()
+    caches = [c.to("cuda") for c in rt.caches]
+    eng = CopyEngine(caches, rt.layout, max_moves=MAX_MOVES_PER_STEP)
+    assert eng.max_moves == rt.layout.num_slots and eng._moves_dev.numel() == 2 * rt.layout.num_slots
+
+
 @pytest.mark.parametrize("check_interval", [1, 8])
 def test_a_plan_that_needs_more_than_the_leftover_budget_waits_its_turn(monkeypatch, check_interval):
     """Once this step's earlier plans left too little headroom, planning stops; the next request keeps its place.
@@ -648,11 +784,11 @@ def test_a_plan_that_needs_more_than_the_leftover_budget_waits_its_turn(monkeypa
     A plan needs 3 destinations (4 sources of 3 live tokens); the headroom is 4, so
     each step fits one plan and leaves 1 block, too little for the next request.
     """
-    import vtoken.reclaim as reclaim_mod
+    import vtoken.reclaim_trigger as trigger_mod
 
     calls = []
-    real = reclaim_mod.select_sources
-    monkeypatch.setattr(reclaim_mod, "select_sources", lambda *a, **k: calls.append(k["max_dst"]) or real(*a, **k))
+    real = trigger_mod.select_sources
+    monkeypatch.setattr(trigger_mod, "select_sources", lambda *a, **k: calls.append(k["max_dst"]) or real(*a, **k))
     rt = Runtime(num_blocks=64, block_size=4, theta_F=0.0, low_watermark=1.0, headroom_blocks=4,
                  check_interval=check_interval, max_src_per_plan=8)
     reqs = ["a", "b", "c"]

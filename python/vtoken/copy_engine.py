@@ -128,7 +128,8 @@ class CopyEngine:
         kv_caches: every layer's KV cache tensor (same shape, layout and
             device), or ``None`` / ``[]`` for bookkeeping-only runs (no data moves).
         layout: the caches' :class:`vtoken.layout.KVLayout` (``None`` iff no caches).
-        max_moves: capacity of the persistent move buffer (moves per step).
+        max_moves: capacity of the persistent move buffer (moves per step);
+            with caches, at most their slot count (``layout.num_slots``).
         force_sync: block the host on ``E`` after every launch (ablation).
         compute_stream: the stream the forwards run on (GPU; default: the
             current stream at each call).
@@ -173,7 +174,9 @@ class CopyEngine:
         self.kv_caches = caches
         self.layout = layout
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.max_moves = int(max_moves)
+        # NOTE: destinations are unique slots of the caches, so no launch moves more
+        # tokens than the caches hold; the move buffer is never sized beyond that.
+        self.max_moves = min(int(max_moves), layout.num_slots) if caches else int(max_moves)
         self.force_sync = bool(force_sync)
         # Decided once: the GPU protocol needs CUDA and caches on a CUDA device.
         self.is_gpu = torch.cuda.is_available() and self.device.type == "cuda"

@@ -1,0 +1,104 @@
+"""Reclamation settings (:class:`ReclaimConfig`) and the per-step admission answer (:class:`AdmissionBudget`).
+
+Both are re-exported by :mod:`vtoken.reclaim`, where the manager that reads them lives.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_int, is_int
+
+MODES = ("native", "naive", "vtoken")
+Count = Union[int, float]
+
+# NOTE: slots are int32 on the device, so one step can never address more moves
+# than this; the copy engine's move buffer is sized from the smaller of this
+# setting and the pool's slot count, never from the setting alone.
+MAX_MOVES_PER_STEP = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class ReclaimConfig:
+    """Reclamation settings, validated on construction.
+
+    Block counts (``low_watermark``, ``headroom_blocks``) are an ``int`` number
+    of blocks, or a ``float`` in [0, 1]: a fraction of the pool's usable blocks.
+
+    Attributes:
+        mode: ``native`` | ``naive`` | ``vtoken``.
+        theta_F: reclaim only while the waste ratio F exceeds it (default 0.25).
+        low_watermark: reclaim only while free blocks are below it; admissions
+            are held back (backpressure) while reclamation is pending and free
+            blocks are at or below it.
+        headroom_blocks: destination reserve held back from admission.
+        check_interval: steps between trigger checks (every step while pending).
+        max_src_per_plan: sources per plan at most (sparsest first).
+        max_moves_per_step: tokens moved per step at most, in
+            ``[1, MAX_MOVES_PER_STEP]`` (2**31 - 1: slots are int32).
+        min_gain: reclaim only if at least this many blocks can be freed.
+        force_sync: the host waits on each copy (the paper's ablation).
+        check_invariants: run I1/I2/I4 every step; ``None`` reads
+            ``VTOKEN_DEBUG_INVARIANTS``.
+
+    Example:
+        >>> ReclaimConfig(theta_F=0.3, low_watermark=0.2).resolve(1000)
+        (200, 20)
+    """
+
+    mode: str = "vtoken"
+    theta_F: float = 0.25
+    low_watermark: Count = 0.10
+    headroom_blocks: Count = 0.02
+    check_interval: int = 8
+    max_src_per_plan: int = 256
+    max_moves_per_step: int = 8192
+    min_gain: int = 1
+    force_sync: bool = False
+    check_invariants: Optional[bool] = None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise InvalidArgumentError(f"mode: expected one of {MODES}, got {self.mode!r}")
+        if isinstance(self.theta_F, bool) or not isinstance(self.theta_F, (int, float)):
+            raise InvalidTypeError(f"theta_F: expected a float, got {type(self.theta_F).__name__}")
+        if not 0.0 <= float(self.theta_F) < 1.0:
+            raise InvalidArgumentError(f"theta_F: expected a value in [0, 1), got {self.theta_F}")
+        for name in ("low_watermark", "headroom_blocks"):
+            v = getattr(self, name)
+            if is_int(v):
+                if v < 0:
+                    raise InvalidArgumentError(f"{name}: expected >= 0 blocks, got {v}")
+            elif isinstance(v, float):
+                if not 0.0 <= v <= 1.0:
+                    raise InvalidArgumentError(f"{name}: expected a fraction in [0, 1] (or an int), got {v}")
+            else:
+                raise InvalidTypeError(f"{name}: expected an int (blocks) or a float (fraction), got {type(v).__name__}")
+        check_int("check_interval", self.check_interval, min_value=1)
+        check_int("max_src_per_plan", self.max_src_per_plan, min_value=2)
+        check_int("max_moves_per_step", self.max_moves_per_step, min_value=1, max_value=MAX_MOVES_PER_STEP)
+        check_int("min_gain", self.min_gain, min_value=1)
+        if not isinstance(self.force_sync, bool):
+            raise InvalidTypeError(f"force_sync: expected a bool, got {type(self.force_sync).__name__}")
+        if self.check_invariants is not None and not isinstance(self.check_invariants, bool):
+            raise InvalidTypeError(f"check_invariants: expected a bool or None, got {type(self.check_invariants).__name__}")
+
+    def resolve(self, usable_blocks: int) -> tuple[int, int]:
+        """``(low_watermark, headroom)`` in blocks for a pool of ``usable_blocks``."""
+
+        def blocks(v) -> int:
+            return int(v) if is_int(v) else int(math.ceil(v * usable_blocks))
+
+        wm, hr = blocks(self.low_watermark), blocks(self.headroom_blocks)
+        if self.mode == "vtoken" and hr > usable_blocks:
+            raise InvalidArgumentError(f"headroom_blocks: expected <= usable blocks ({usable_blocks}), got {hr}")
+        return wm, hr
+
+
+@dataclass(frozen=True)
+class AdmissionBudget:
+    """What the scheduler may admit this step."""
+
+    free_blocks: int  # free blocks minus the headroom reserve
+    backpressure: bool  # True: admit nothing new this step (reclamation pending, memory low)
