@@ -41,8 +41,9 @@ def replay(events, S):
             for r, t in zip(ev[1].tolist(), ev[2].tolist()):
                 rows[r]["alive"][t] = False
         elif kind == "move":
-            _, r, tids, new = ev
-            for t, s in zip(tids.tolist(), new.tolist()):
+            _, r, tids, old, new = ev
+            for t, o, s in zip(tids.tolist(), old.tolist(), new.tolist()):
+                assert rows[r]["slots"][t] == o
                 rows[r]["slots"][t] = s
         elif kind == "finish":
             del rows[ev[1]]

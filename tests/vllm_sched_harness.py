@@ -103,10 +103,11 @@ class FakeWorker:
         reqs = list(so.num_scheduled_tokens)
         if reqs:
             qlens = np.array([so.num_scheduled_tokens[r] for r in reqs])
-            w.build_slot_lists(reqs, qlens)
-            for r in reqs:  # the "forward" writes the computed tokens' fingerprints
-                n, k = w.shadow.num_tokens(r), so.num_scheduled_tokens[r]
-                self._write(r, n - k, np.asarray(meta.appends[r])[-k:])
+            bufs = w.build_slot_lists(reqs, qlens)
+            slot_mapping = bufs.slot_mapping[: int(qlens.sum())].numpy()
+            for r, first in zip(reqs, np.cumsum(qlens) - qlens):  # the "forward" writes the computed tokens' fingerprints
+                n, k = w.mirror.num_tokens(r), so.num_scheduled_tokens[r]
+                self._write(r, n - k, slot_mapping[first : first + k])
             if w.want_scores:
                 total = int(w.buffers.kv_indptr_host[len(reqs)])
                 ks = torch.from_numpy(self.rng.random((w.buffers.nnz_max, NUM_KV_HEADS), dtype=np.float32))
@@ -133,11 +134,11 @@ class FakeWorker:
         side = self.sched.connector.scheduler_side
         t = side.table
         for r in t.requests():
-            if r not in self.worker.shadow:
+            if r not in self.worker.mirror.tracked():
                 continue
             ids = t.live_ids(r)
             # Tokens appended this step are written by the next forward: skip them.
-            n_done = self.worker.shadow.num_tokens(r)
+            n_done = self.worker.mirror.num_tokens(r)
             ids = ids[ids < n_done]
             slots = t.slots(r)[ids].astype(np.int64)
             got = self.cache[slots // self.bs, 0, slots % self.bs, 0].numpy()

@@ -192,6 +192,16 @@ class DeviceMirror:
     def num_tokens(self, req) -> int:
         return int(self._n[self._row(req)])
 
+    def request_of_row(self, row: int):
+        return self._req_of[row]
+
+    def host_copy(self, req) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots int32, alive bool)`` of ``req``'s tokens read back from the device (debug: syncs)."""
+        self.flush()
+        row = self._row(req)
+        s, n = int(self._start[row]), int(self._n[row])
+        return self.slots[s : s + n].cpu().numpy(), self.alive[s : s + n].cpu().numpy() != 0
+
     # ------------------------------------------------------------- events
     def sync(self) -> None:
         """Catch up with the table: apply the journal events since the last sync (host only)."""
@@ -247,7 +257,7 @@ class DeviceMirror:
             self._d_alive.append((self._start[rows] + token_ids, np.zeros(len(token_ids), dtype=np.int8)))
             np.subtract.at(self._nlive, rows, 1)
 
-    def _on_move(self, row: int, token_ids: np.ndarray, new_slots: np.ndarray) -> None:
+    def _on_move(self, row: int, token_ids: np.ndarray, old_slots: np.ndarray, new_slots: np.ndarray) -> None:
         if token_ids.size:
             self._d_slot.append((self._start[row] + token_ids, np.asarray(new_slots, dtype=np.int32)))
 

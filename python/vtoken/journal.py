@@ -12,8 +12,8 @@ Events (rows are the table's stable row ids, valid from ``add`` to ``finish``):
 - ``("append", rows int64[k], counts int64[k], slots int32[sum(counts)])``:
   new tokens, request after request, alive;
 - ``("evict", rows int64[m], token_ids int64[m])``: tokens died;
-- ``("move", row, token_ids int64[m], new_slots int32[m])``: live tokens
-  took new slots (a relocation commit);
+- ``("move", row, token_ids int64[m], old_slots int32[m], new_slots int32[m])``:
+  live tokens took new slots (a relocation commit; a copy reads ``old_slots``);
 - ``("finish", row)``: the request left; the row may be reused by a later ``add``.
 
 With no reader, emitting costs nothing.

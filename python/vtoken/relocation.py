@@ -116,8 +116,8 @@ class RelocationTransitions:
         led.remove_live(src_blocks)
         led.add_live(dst_blocks)
         t.shared.moved_into[dst_blocks] = True
+        t.journal.emit("move", row, tids.copy(), t.arena.slots[g], dst.astype(np.int32))
         t.arena.slots[g] = dst.astype(np.int32)
-        t.journal.emit("move", row, tids.copy(), dst.astype(np.int32))
         positions = np.sort(led.pos[emptied])
         ids = emptied.astype(np.int64)
         led.release(ids)

@@ -11,32 +11,34 @@ from vtoken.errors import InvalidArgumentError
 
 @dataclass
 class VTokenConnectorMetadata(KVConnectorMetadata):
-    """One step's token-table deltas, applied by every worker in this order.
+    """One step's token-table changes: the scheduler table's journal events since the last step.
 
-    Before the forward (``handle_preemptions``):
-        1. ``dropped``: requests to forget (finished or preempted);
-        2. ``evictions[req]``: token ids (int64) that died since the last step;
-        3. ``appends[req]``: the slots (int32, logical order) of the tokens the
-           request gained: the step's new tokens (their slots equal vLLM's
-           ``slot_mapping``), preceded, on a request's first step, by the
-           slots of its prefix-cache hits (K/V already in the cache).
-    After the forward (``wait_for_save``):
-        4. ``moves[req] = (token_ids int64, new_slots int32)``: relocations the
-           scheduler committed this step. The worker copies every layer's K/V
-           rows from the tokens' current slots to ``new_slots`` (one
-           ``compact_kv`` launch for all requests), then updates its mirror.
+    ``events`` are :mod:`vtoken.journal` events, in order: finishes
+    (finished or preempted requests) and evictions since the last step,
+    registrations and appends of this step (a request's first append starts
+    with the slots of its prefix-cache hits), then this step's relocation
+    ``move`` events. Every worker applies the events before the first
+    ``move`` ahead of the forward (``handle_preemptions``); after the forward
+    (``wait_for_save``) it copies every layer's K/V rows of the moves from
+    their old slots to their new ones (one ``compact_kv`` launch), then
+    applies the moves to its mirror.
     """
 
     step: int
-    dropped: list = field(default_factory=list)
-    evictions: dict = field(default_factory=dict)
-    appends: dict = field(default_factory=dict)
-    moves: dict = field(default_factory=dict)
+    events: list = field(default_factory=list)
     want_scores: bool = False
+
+    def split_moves(self) -> tuple[list, list]:
+        """``(events before the first move, the move events)``."""
+        first = next((i for i, ev in enumerate(self.events) if ev[0] == "move"), len(self.events))
+        before, moves = self.events[:first], self.events[first:]
+        if any(ev[0] != "move" for ev in moves):
+            raise InvalidArgumentError("events: expected the relocation moves last in a step's events")
+        return before, moves
 
     @property
     def num_moves(self) -> int:
-        return int(sum(len(t) for t, _ in self.moves.values()))
+        return int(sum(len(ev[2]) for ev in self.events if ev[0] == "move"))
 
 
 @dataclass

@@ -56,37 +56,6 @@ class _Req:
     hashes_checked: int = 0  # block positions below this were already cleared of tainted hashes
 
 
-class _MoveLog:
-    """The reclamation manager's "mirror": collects the committed moves to ship to the workers."""
-
-    def __init__(self, table: TokenTable):
-        self.table = table
-        self.moves: dict = {}
-
-    def record_moves(self, req, token_ids, new_slots) -> None:
-        t = np.asarray(token_ids, dtype=np.int64)
-        s = np.asarray(new_slots, dtype=np.int32)
-        if req in self.moves:
-            t0, s0 = self.moves[req]
-            t, s = np.concatenate([t0, t]), np.concatenate([s0, s])
-        self.moves[req] = (t, s)
-
-    def remove_request(self, req) -> None:
-        self.moves.pop(req, None)
-
-    def check_against_table(self) -> None:
-        for req, (t, s) in self.moves.items():
-            if req not in self.table:
-                raise InvariantViolation(f"move log: moves of unregistered request {req!r}")
-            alive = self.table.is_alive(req, t)
-            if not np.array_equal(self.table.slots(req)[t[alive]], s[alive]):
-                raise InvariantViolation(f"move log: committed slots of {req!r} differ from the table")
-
-    def take(self) -> dict:
-        out, self.moves = self.moves, {}
-        return out
-
-
 class SchedulerSide:
     """See the module docstring. ``bind`` must be called before anything else."""
 
@@ -96,8 +65,6 @@ class SchedulerSide:
         self.reclaim_config = config.make_reclaim_config()
         self.step = 0
         self._reqs: dict = {}
-        self._dropped: list = []  # requests forgotten since the last metadata
-        self._evictions: dict = {}  # victims since the last metadata
         self.bound = False
         self.stats = {
             "steps": 0, "evicted_tokens": 0, "relocations": 0, "plans": 0, "reclaimed_blocks": 0,
@@ -127,8 +94,8 @@ class SchedulerSide:
         self.alloc = VLLMBlockAllocator(self.pool, headroom=headroom if self.config.mode == "vtoken" else 0)
         self.ledger = BlockLedger(self.alloc, self.S)
         self.table = TokenTable(self.ledger)
-        self.log = _MoveLog(self.table)
-        self.manager = ReclamationManager(self.table, self.reclaim_config, mirror=self.log)
+        self.manager = ReclamationManager(self.table, self.reclaim_config)
+        self._reader = self.table.journal.subscribe()  # what the workers learn each step
         self._sync_reserve()
         self.bound = True
 
@@ -163,16 +130,13 @@ class SchedulerSide:
         # prefix-cache hit may name blocks allocated earlier in the SAME step (two
         # identical prompts admitted together). Mirroring in that order, flushing the
         # batch before each admission with hits, registers those blocks first.
-        appends: dict = {}
         batch: list = []  # (rid, n, new block ids)
         for rid, n in so.num_scheduled_tokens.items():
             if rid not in self.table:
                 if computed[rid] > 0:
-                    self._mirror_batch(batch, appends)
+                    self._mirror_batch(batch)
                     batch = []
-                self._admit(rid, computed[rid])
-                # The worker learns the prefix-cache hits' slots with the request's first tokens.
-                appends[rid] = self.table.slots(rid)
+                self._admit(rid, computed[rid])  # the journal carries its prefix-cache hits' slots
             st = self._reqs[rid]
             have = self.table.num_tokens(rid)
             if have != computed[rid]:
@@ -186,21 +150,18 @@ class SchedulerSide:
             batch.append((rid, int(n), vids[lo:hi]))
             st.num_new = int(n)
             st.scheduled_step = self.step
-        self._mirror_batch(batch, appends)
+        self._mirror_batch(batch)
         t1 = time.perf_counter()
-        moves = self._reclaim()
+        self._reclaim()
         t2 = time.perf_counter()
         if self.config.drop_tainted_hashes and self.pool.enable_caching:
             self._drop_tainted_hashes()
         meta = VTokenConnectorMetadata(
             step=self.step,
-            dropped=self._dropped,
-            evictions=self._evictions,
-            appends=appends,
-            moves=moves,
+            events=self.table.journal.take(self._reader),
             want_scores=self.policy is not None and self.policy.score_source == "exact",
         )
-        self._dropped, self._evictions = [], {}
+        self.stats["relocations"] += meta.num_moves
         self._sample_usage()
         if self.config.checking:
             self.check()
@@ -210,7 +171,7 @@ class SchedulerSide:
         self.step += 1
         return meta
 
-    def _mirror_batch(self, batch: list, appends: dict) -> None:
+    def _mirror_batch(self, batch: list) -> None:
         """Append the step's tokens of ``batch`` [(rid, n, vLLM's new block ids)] to the table."""
         if not batch:
             return
@@ -220,10 +181,7 @@ class SchedulerSide:
             slots = self.table.sync_new_tokens_batch(reqs, counts)
         if slots is None:
             raise InvariantViolation("mirror: the table could not take the blocks vLLM allocated")
-        ends = np.cumsum(counts)
-        for (rid, n, nb), a, b in zip(batch, ends - np.asarray(counts), ends):
-            prev = appends.get(rid)
-            appends[rid] = slots[a:b] if prev is None else np.concatenate([prev, slots[a:b]])
+        for rid, n, nb in batch:
             st = self._reqs[rid]
             st.synced = np.concatenate([st.synced, nb.astype(np.int32)])
 
@@ -258,15 +216,13 @@ class SchedulerSide:
                     raise InvariantViolation(f"mirror: could not register the cached blocks of {rid!r}")
             st.synced = np.concatenate([st.synced, rest.astype(np.int32)])
 
-    def _reclaim(self) -> dict:
+    def _reclaim(self) -> None:
         mgr = self.manager
         plans = mgr.maybe_plan()
         mgr.launch(plans)  # bookkeeping only here: the workers copy after their forward
         freed = mgr.commit()
-        moves = self.log.take()
         if plans:
             self.stats["plans"] += len(plans)
-            self.stats["relocations"] += int(sum(len(t) for t, _ in moves.values()))
             self.stats["reclaimed_blocks"] += int(len(freed))
         for p in plans:
             if p.request in self.table:
@@ -275,7 +231,6 @@ class SchedulerSide:
                 self.stats["hashes_dropped"] += drop_hashes(self.pool, p.dst_blocks.tolist())
         self.alloc.top_up()
         self._sync_reserve()
-        return moves
 
     def _sync(self, rid) -> None:
         """Copy the table's block-list changes of ``rid`` into vLLM's list."""
@@ -342,8 +297,6 @@ class SchedulerSide:
             if st.taint_tokens is None:
                 st.taint_tokens = self.table.num_tokens(rid)
             self._sync(rid)
-            prev = self._evictions.get(rid)
-            self._evictions[rid] = victims if prev is None else np.concatenate([prev, victims])
         self.stats["policy_us"] += (time.perf_counter() - t0) * 1e6
         if self.config.checking:
             self.check()
@@ -365,8 +318,6 @@ class SchedulerSide:
         with self.alloc.detached(vllm_frees):
             self.manager.finish_request(rid)
         self._reqs.pop(rid, None)
-        self._evictions.pop(rid, None)
-        self._dropped.append(rid)
 
     def shutdown(self) -> None:
         if self.bound:

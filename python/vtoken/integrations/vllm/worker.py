@@ -7,17 +7,19 @@ created by the connector's ``WORKER`` role and published with
 Per step:
 
 - ``handle_preemptions`` (first call of ``execute_model``): apply the step's
-  deltas to the host shadow and the device mirror (:class:`vtoken.buffers.
-  DeviceMirror`), then ``CopyEngine.before_forward``: the compute stream waits
-  on the last relocation event (I3; no host wait);
+  table events up to its moves (:mod:`vtoken.journal`, shipped in the
+  connector metadata) to the device mirror (:class:`vtoken.buffers.
+  DeviceMirror`, with no host table of its own), then
+  ``CopyEngine.before_forward``: the compute stream waits on the last
+  relocation event (I3; no host wait);
 - the attention metadata builder calls :meth:`WorkerSide.build_slot_lists`:
   ``ops.build_slot_lists`` rebuilds ``kv_indices`` / ``kv_indptr`` /
   ``slot_mapping`` in fixed-address buffers from the device mirror;
 - the attention backend adds each layer's ``token_attention`` key scores into
   one per-step buffer (:meth:`WorkerSide.add_key_scores`);
 - ``wait_for_save`` (after the forward): ONE ``compact_kv`` launch on the
-  relocation stream covers every move of the step, then the mirror takes the
-  new slots;
+  relocation stream covers every move of the step (old slots to new, both in
+  the move events), then the mirror applies the moves;
 - ``build_connector_worker_meta``: the step's per-request scores go back to
   the scheduler (the only device-to-host copy; only when the policy needs it).
 """
@@ -53,107 +55,6 @@ def current() -> Optional["WorkerSide"]:
     return _CURRENT
 
 
-class ShadowTable:
-    """Host copy of every tracked request's slots and alive bits, fed by the scheduler's deltas.
-
-    It is the ``table`` a :class:`DeviceMirror` reads (``row_of``,
-    ``num_tokens``, ``live_count``, ``slots``, ``live_mask``) and it gives the
-    source slots of a move (a token's slot before the move).
-    """
-
-    def __init__(self):
-        self._rows: dict = {}
-        self._free_rows: list[int] = []
-        self._slots: list = []
-        self._alive: list = []
-        self._n: list = []
-        self._live: list = []
-
-    def __contains__(self, req) -> bool:
-        return req in self._rows
-
-    def requests(self) -> list:
-        return list(self._rows)
-
-    def add(self, req) -> None:
-        if req in self._rows:
-            raise InvalidArgumentError(f"req: expected a new request, got already tracked {req!r}")
-        if self._free_rows:
-            row = self._free_rows.pop()
-        else:
-            row = len(self._n)
-            for a in (self._slots, self._alive, self._n, self._live):
-                a.append(None)
-        self._rows[req] = row
-        self._slots[row] = np.full(64, -1, dtype=np.int32)
-        self._alive[row] = np.zeros(64, dtype=bool)
-        self._n[row] = 0
-        self._live[row] = 0
-
-    def remove(self, req) -> None:
-        row = self._rows.pop(req, None)
-        if row is not None:
-            self._slots[row] = self._alive[row] = None
-            self._free_rows.append(row)
-
-    def row_of(self, req) -> int:
-        try:
-            return self._rows[req]
-        except KeyError:
-            raise InvariantViolation(f"worker mirror: request {req!r} is not tracked") from None
-
-    def num_tokens(self, req) -> int:
-        return self._n[self.row_of(req)]
-
-    def live_count(self, req) -> int:
-        return self._live[self.row_of(req)]
-
-    def slots(self, req) -> np.ndarray:
-        r = self.row_of(req)
-        return self._slots[r][: self._n[r]].copy()
-
-    def live_mask(self, req) -> np.ndarray:
-        r = self.row_of(req)
-        return self._alive[r][: self._n[r]].copy()
-
-    def live_slots(self, req) -> np.ndarray:
-        r = self.row_of(req)
-        n = self._n[r]
-        return self._slots[r][:n][self._alive[r][:n]]
-
-    def append(self, req, slots: np.ndarray) -> None:
-        r = self.row_of(req)
-        n, k = self._n[r], len(slots)
-        if n + k > len(self._slots[r]):
-            cap = max(n + k, len(self._slots[r]) * 3 // 2)
-            s = np.full(cap, -1, dtype=np.int32)
-            a = np.zeros(cap, dtype=bool)
-            s[:n], a[:n] = self._slots[r][:n], self._alive[r][:n]
-            self._slots[r], self._alive[r] = s, a
-        self._slots[r][n : n + k] = slots
-        self._alive[r][n : n + k] = True
-        self._n[r] = n + k
-        self._live[r] += k
-
-    def evict(self, req, token_ids: np.ndarray) -> None:
-        r = self.row_of(req)
-        t = np.asarray(token_ids, dtype=np.int64)
-        if t.size and (t.min() < 0 or t.max() >= self._n[r] or not self._alive[r][t].all()):
-            raise InvariantViolation(f"worker mirror: evictions of {req!r} name dead or unknown tokens")
-        self._alive[r][t] = False
-        self._live[r] -= len(t)
-
-    def move(self, req, token_ids: np.ndarray, new_slots: np.ndarray) -> np.ndarray:
-        """Give live ``token_ids`` their ``new_slots``; return their old slots."""
-        r = self.row_of(req)
-        t = np.asarray(token_ids, dtype=np.int64)
-        if t.size and (t.min() < 0 or t.max() >= self._n[r] or not self._alive[r][t].all()):
-            raise InvariantViolation(f"worker mirror: moves of {req!r} name dead or unknown tokens")
-        old = self._slots[r][t].copy()
-        self._slots[r][t] = new_slots
-        return old
-
-
 class WorkerSide:
     """See the module docstring.
 
@@ -170,7 +71,6 @@ class WorkerSide:
         self.max_reqs, self.max_tokens, self.max_moves = int(max_reqs), int(max_tokens), int(max_moves)
         self.force_sync = bool(force_sync)
         self.checking = bool(checking)
-        self.shadow = ShadowTable()
         self.mirror: Optional[DeviceMirror] = None
         self.buffers: Optional[SlotListBuffers] = None
         self.copy_engine: Optional[CopyEngine] = None
@@ -178,6 +78,7 @@ class WorkerSide:
         self.layout: Optional[KVLayout] = None
         self.device = torch.device("cpu")
         self._meta: Optional[VTokenConnectorMetadata] = None
+        self._moves: list = []  # this step's move events, applied after the forward
         self._scores: Optional[torch.Tensor] = None
         self._batch: list = []
         self._batch_step = -1
@@ -202,7 +103,7 @@ class WorkerSide:
         self.kv_caches = caches
         self.device = caches[0].device
         nnz_max = self.layout.num_blocks * self.layout.block_size  # every live token holds its own slot
-        self.mirror = DeviceMirror(self.shadow, self.device)
+        self.mirror = DeviceMirror(None, self.device)  # fed with the scheduler table's events
         self.buffers = SlotListBuffers(max_reqs=self.max_reqs, nnz_max=nnz_max, max_tokens=self.max_tokens,
                                        device=self.device)
         self._scores = torch.zeros(nnz_max, dtype=torch.float32, device=self.device)
@@ -214,29 +115,11 @@ class WorkerSide:
 
     # --------------------------------------------------------- before forward
     def begin_step(self, meta: VTokenConnectorMetadata) -> None:
-        """Apply the step's deltas (dropped, evictions, appends) and fence the last copy (I3)."""
+        """Apply the step's events up to its moves and fence the last copy (I3)."""
         if not self.ready:
             raise InvariantViolation("worker: metadata arrived before register_kv_caches")
-        sh, mirror = self.shadow, self.mirror
-        for req in meta.dropped:
-            if req in sh:
-                mirror.remove_request(req)
-                sh.remove(req)
-        for req, ids in meta.evictions.items():
-            sh.evict(req, ids)
-            mirror.record_evict(req, ids)
-        reqs, counts, slots = [], [], []
-        for req, s in meta.appends.items():
-            if req not in sh:
-                sh.add(req)
-                mirror.add_request(req)
-            reqs.append(req)
-            counts.append(len(s))
-            slots.append(np.asarray(s, dtype=np.int32))
-        if reqs:
-            mirror.record_append(reqs, counts, np.concatenate(slots))
-            for req, s in zip(reqs, slots):
-                sh.append(req, s)
+        before_moves, self._moves = meta.split_moves()
+        self.mirror.apply(before_moves)
         if self.copy_engine.before_forward(step=meta.step):
             self.stats["event_waits"] += 1
         self._meta = meta
@@ -249,7 +132,7 @@ class WorkerSide:
         step. Returns the :class:`SlotListBuffers`.
         """
         if seq_lens is not None:
-            n = np.fromiter((self.shadow.num_tokens(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
+            n = np.fromiter((self.mirror.num_tokens(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
             if not np.array_equal(n, np.asarray(seq_lens[: len(req_ids)], dtype=np.int64)):
                 raise InvariantViolation(
                     f"worker mirror: token counts {n.tolist()[:8]} differ from vLLM's seq_lens "
@@ -275,17 +158,15 @@ class WorkerSide:
     # ---------------------------------------------------------- after forward
     def end_step(self) -> None:
         """Launch the step's relocation copy (one ``compact_kv``) and update the mirror."""
-        meta = self._meta
-        if meta is None or not meta.moves:
+        meta, moves = self._meta, self._moves
+        if meta is None or not moves:
             return
-        before = self._capture(meta) if self.checking else None
-        src, dst = [], []
-        for req, (tids, new) in meta.moves.items():
-            src.append(self.shadow.move(req, tids, new))
-            dst.append(np.asarray(new, dtype=np.int32))
-            self.mirror.record_moves(req, tids, new)
-        src, dst = np.concatenate(src), np.concatenate(dst)
+        before = self._capture(moves) if self.checking else None
+        src = np.concatenate([ev[3] for ev in moves])
+        dst = np.concatenate([ev[4] for ev in moves])
         self.copy_engine.launch(src, dst, step=meta.step)
+        self.mirror.apply(moves)
+        self._moves = []
         self.stats["moves"] += len(src)
         self.stats["copies"] += 1
         if before is not None:
@@ -308,14 +189,15 @@ class WorkerSide:
         self._meta = None
 
     # ---------------------------------------------------------------- checks
-    def _capture(self, meta) -> dict:
+    def _capture(self, moves: list) -> dict:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # debug only: the forward wrote the rows
         out = {}
-        for req in meta.moves:
-            mask = self.shadow.live_mask(req)
+        for ev in moves:
+            req = self.mirror.request_of_row(ev[1])
+            slots, mask = self.mirror.host_copy(req)
             ids = np.flatnonzero(mask)
-            slots = self.shadow.slots(req)[mask]
+            slots = slots[mask]
             rows = [invariants.gather_token_rows(c, self.layout, slots).cpu() for c in self.kv_caches]
             out[req] = (ids, rows)
         return out
@@ -324,7 +206,7 @@ class WorkerSide:
         for t in list(self.copy_engine._pending):
             t.event.synchronize()
         for req, (ids, rows) in before.items():
-            slots = self.shadow.slots(req)[ids]
+            slots = self.mirror.host_copy(req)[0][ids]
             after = [invariants.gather_token_rows(c, self.layout, slots).cpu() for c in self.kv_caches]
             if invariants.fingerprint_rows(ids, rows) != invariants.fingerprint_rows(ids, after):
                 raise InvariantViolation(f"I1: live K/V bytes of request {req!r} changed across a relocation")
