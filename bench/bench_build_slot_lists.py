@@ -1,32 +1,34 @@
-"""Benchmark build_slot_lists (full rebuild) and append_slot_lists (decode append).
+"""Benchmark build_slot_lists: a batch's slot lists read in place from the device mirror.
 
 GPU (default when CUDA is present): batches of ``num_reqs`` requests with
 ``live`` live tokens each, the mirror holding ``live / (1 - dead)`` tokens per
-request (``dead`` = fraction of evicted tokens), one new token per request
+request (``dead`` = fraction of evicted tokens) in a segment with 25% slack,
+the segments in a shuffled mirror order (so the batch reads the mirror through
+per-request starts, as after any batch reordering), one new token per request
 (decode) or 512 (a prefill chunk). Goal: a rebuild of 256 requests x 4K live
 tokens in <= 10 us. Each backend is captured in a CUDA graph and the replay
 timed with CUDA events (``time_graph``), as the engine runs it. Rows give:
 
 * ``us``: median time per call;
 * ``GBps``: the op's minimum traffic per second: alive (1 B) and slot (4 B)
-  of every mirror token read once, ``kv_indices`` / ``kv_indptr`` /
-  ``slot_mapping`` written once, the new tokens' slots read once;
+  of every batch token read once, ``kv_indices`` and ``kv_pos`` (4 B each per
+  live token), ``kv_indptr`` and ``slot_mapping`` written once, the new
+  tokens' slots read once;
 * ``frac_copy``: that over the D2D ``torch`` copy bandwidth measured in this
   run (read + write counted);
 * ``x_masked_select``: speedup over a plain torch implementation timed in the
-  same run (``masked_select`` + ``cumsum`` + gathers; eager, since
-  ``masked_select`` syncs with the host to size its output).
+  same run (index gather + ``masked_select`` + ``cumsum``; eager, since
+  ``masked_select`` and ``repeat_interleave`` sync with the host to size
+  their outputs).
 
 The torch reference (sync-free scatter formulation, graph-capturable) is
-timed as a second baseline. The append rows time one decode step's
-``append_slot_lists`` as (restore a snapshot of the buffers + append) minus
-(restore alone), both graph-replayed, since an append is not idempotent;
-their traffic counts 8 B per shifted ``kv_indices`` entry.
+timed as a second baseline.
 
 ``--quick`` (and any run without CUDA): small sizes on the CPU; the torch
 reference and the C++ CPU op (when built) against the masked_select baseline,
-medians and ratios from this process, single-threaded. The Triton interpreter is meaningless
-for speed, so the CPU run only checks once that Triton matches the reference.
+medians and ratios from this process, single-threaded. The Triton interpreter
+is meaningless for speed, so the CPU run only checks once that Triton matches
+the reference.
 
 Usage: ``python bench/bench_build_slot_lists.py [--quick]``; writes
 ``bench/results/build_slot_lists.json``.
@@ -61,21 +63,27 @@ PAD = PAD_SLOT
 
 
 class Case:
-    """A batch mirror with exactly ``live`` live tokens per request, and its buffers."""
+    """A batch of ``num_reqs`` requests with exactly ``live`` live tokens each, in a shuffled mirror, and its buffers."""
 
     def __init__(self, num_reqs, live, dead, new, device, seed=0):
         g = torch.Generator(device="cpu").manual_seed(seed)
         per_req = max(int(round(live / (1.0 - dead))), live)
+        seg = per_req + per_req // 4  # the mirror's 25% slack per segment
         self.num_reqs, self.live, self.dead, self.new, self.per_req = num_reqs, live, dead, new, per_req
-        self.num_tokens = num_reqs * per_req
-        self.slots = torch.randperm(2 * self.num_tokens, generator=g)[: self.num_tokens].to(torch.int32).to(device)
-        # Exactly `live` live tokens per request, the last `new` (the new ones) always live.
+        self.batch_tokens = num_reqs * per_req
+        mirror_len = num_reqs * seg
+        self.slots = torch.randperm(2 * mirror_len, generator=g)[:mirror_len].to(torch.int32).to(device)
+        # Exactly `live` live tokens per request, the last `new` (the new ones) always live; slack dead.
         keys = torch.rand(num_reqs, per_req, generator=g)
         keys[:, per_req - new :] = -1.0
         order = keys.argsort(dim=1)[:, :live]
-        alive = torch.zeros(num_reqs, per_req, dtype=torch.int8).scatter_(1, order, 1)
-        self.alive = alive.view(-1).to(device)
-        self.offsets = (torch.arange(num_reqs + 1, dtype=torch.int64) * per_req).to(device)
+        alive = torch.zeros(num_reqs, seg, dtype=torch.int8)
+        alive[:, :per_req].scatter_(1, order, 1)
+        # Request r of the batch sits in segment place[r]: batch order != mirror order.
+        place = torch.randperm(num_reqs, generator=g)
+        self.starts = (place * seg).to(torch.int64).to(device)
+        self.alive = alive[place.argsort()].view(-1).to(device)  # request r's tokens live in segment place[r]
+        self.lens = torch.full((num_reqs,), per_req, dtype=torch.int64, device=device)
         self.counts = torch.full((num_reqs,), new, dtype=torch.int64, device=device)
         self.nnz_max = num_reqs * live
         self.max_tokens = num_reqs * new
@@ -83,53 +91,55 @@ class Case:
             torch.empty(self.nnz_max, dtype=torch.int32, device=device),
             torch.empty(num_reqs + 1, dtype=torch.int32, device=device),
             torch.empty(self.max_tokens, dtype=torch.int32, device=device),
+            torch.empty(self.nnz_max, dtype=torch.int32, device=device),
         )
 
     def args(self):
-        return (self.slots, self.alive, self.offsets, self.counts, *self.bufs)
+        """The op's arguments, as ``torch.ops.vtoken.build_slot_lists`` takes them."""
+        return (self.slots, self.alive, self.starts, self.lens, self.counts, *self.bufs, self.num_reqs)
 
     def build_bytes(self) -> int:
-        return self.num_tokens * 5 + 4 * (self.nnz_max + self.num_reqs + 1) + 8 * self.max_tokens
+        return self.batch_tokens * 5 + 8 * self.nnz_max + 4 * (self.num_reqs + 1) + 8 * self.max_tokens
 
     def name(self) -> str:
         return f"{self.num_reqs}x{self.live} dead={self.dead:g} new={self.new}"
 
 
 def masked_select_baseline(c: Case) -> None:
-    """The same outputs with plain torch ops (masked_select sizes its output on the host)."""
-    kv_indices, kv_indptr, slot_mapping = c.bufs
-    live = c.alive != 0
-    sel = torch.masked_select(c.slots, live)
+    """The same outputs with plain torch ops (repeat_interleave / masked_select size their outputs on the host)."""
+    kv_indices, kv_indptr, slot_mapping, kv_pos = c.bufs
+    first = torch.cumsum(c.lens, 0) - c.lens
+    req = torch.repeat_interleave(torch.arange(c.num_reqs, device=c.lens.device), c.lens)
+    logical = torch.arange(req.numel(), device=req.device) - first[req]
+    where = c.starts[req] + logical
+    live = c.alive[where] != 0
+    sel = torch.masked_select(c.slots[where], live)
     kv_indices[: sel.numel()] = sel
     kv_indices[sel.numel() :] = PAD
+    pos = torch.masked_select(logical, live)
+    kv_pos[: pos.numel()] = pos.to(torch.int32)
+    kv_pos[pos.numel() :] = PAD
     prefix = torch.cat([torch.zeros(1, dtype=torch.int64, device=live.device), torch.cumsum(live, 0)])
-    kv_indptr.copy_(prefix[c.offsets])
-    pos = torch.arange(c.num_tokens, device=live.device)
-    req = torch.searchsorted(c.offsets[1:], pos, right=True)
-    is_new = pos >= (c.offsets[1:] - c.counts)[req]
-    new = torch.masked_select(c.slots, is_new)
+    kv_indptr.copy_(prefix[torch.cat([first, first[-1:] + c.lens[-1:]])])
+    new = torch.masked_select(c.slots[where], logical >= (c.lens - c.counts)[req])
     slot_mapping[: new.numel()] = new
     slot_mapping[new.numel() :] = PAD
 
 
 def backends(device):
-    """(name, build, append) for every backend usable on ``device``."""
+    """(name, build) for every backend usable on ``device``."""
     out = []
     if ops.has_extension_op("build_slot_lists"):
-        out.append(("cuda" if device.type == "cuda" else "cpp",
-                    lambda c: torch.ops.vtoken.build_slot_lists(*c.args(), c.num_reqs),
-                    lambda c: torch.ops.vtoken.append_slot_lists(*c.args(), c.num_reqs)))
+        out.append(("cuda" if device.type == "cuda" else "cpp", lambda c: torch.ops.vtoken.build_slot_lists(*c.args())))
     if device.type == "cuda":
-        out.append(("triton", lambda c: tk.build_slot_lists(*c.args(), c.num_reqs, content_checks=False),
-                    lambda c: tk.append_slot_lists(*c.args(), c.num_reqs, content_checks=False)))
-    out.append(("torch_ref", lambda c: ref.build_slot_lists(*c.args(), c.num_reqs, content_checks=False),
-                lambda c: ref.append_slot_lists(*c.args(), c.num_reqs, content_checks=False)))
+        out.append(("triton", lambda c: tk.build_slot_lists(*c.args())))
+    out.append(("torch_ref", lambda c: ref.build_slot_lists(*c.args())))
     return out
 
 
 def check_against_reference(c: Case, build) -> None:
     want = [torch.empty_like(b) for b in c.bufs]
-    ref.build_slot_lists(c.slots, c.alive, c.offsets, c.counts, *want, c.num_reqs, content_checks=False)
+    ref.build_slot_lists(*c.args()[:5], *want, c.num_reqs)
     for b in c.bufs:
         b.fill_(-77)
     build(c)
@@ -143,55 +153,24 @@ def time_call(fn) -> dict:
     return time_graph(fn) if on_gpu() else time_fn(fn)
 
 
-def prepare_append(c: Case):
-    """Buffers holding the build before the step's appends, and a snapshot to restore them."""
-    old_alive = c.alive.clone().view(c.num_reqs, c.per_req)
-    old_alive[:, c.per_req - c.new :] = 0
-    zeros = torch.zeros_like(c.counts)
-    ref.build_slot_lists(c.slots, old_alive.view(-1), c.offsets, zeros, *c.bufs, c.num_reqs, content_checks=False)
-    return [b.clone() for b in c.bufs]
-
-
-def restore(c: Case, snapshot) -> None:
-    for b, s in zip(c.bufs, snapshot):
-        b.copy_(s)
-
-
 def run(cases, copy_gbs, device):
     rows, summary = [], []
     for c in cases:
+        check_against_reference(c, masked_select_baseline)
         base = time_fn(lambda: masked_select_baseline(c))
-        rows.append({"case": c.name(), "backend": "masked_select", "op": "build", "us": base["median_us"],
+        rows.append({"case": c.name(), "backend": "masked_select", "us": base["median_us"],
                      "GBps": gbs(c.build_bytes(), base["median_us"]),
                      "frac_copy": gbs(c.build_bytes(), base["median_us"]) / copy_gbs, "x_masked_select": 1.0})
-        for name, build, append in backends(device):
+        for name, build in backends(device):
             check_against_reference(c, build)
-            t = time_call(lambda: build(c))
-            us = t["median_us"]
-            rows.append({"case": c.name(), "backend": name, "op": "build", "us": us,
+            us = time_call(lambda: build(c))["median_us"]
+            rows.append({"case": c.name(), "backend": name, "us": us,
                          "GBps": gbs(c.build_bytes(), us), "frac_copy": gbs(c.build_bytes(), us) / copy_gbs,
                          "x_masked_select": base["median_us"] / us})
             if c.num_reqs == 256 and c.live == 4096 and name in ("cuda", "triton"):
-                summary.append({"op": "build", "case": c.name(), "backend": name, "us": us,
-                                "goal_us": 10.0, "goal_met": us <= 10.0,
+                summary.append({"case": c.name(), "backend": name, "us": us, "goal_us": 10.0, "goal_met": us <= 10.0,
                                 "frac_copy": gbs(c.build_bytes(), us) / copy_gbs,
                                 "x_masked_select": base["median_us"] / us})
-            if c.new == 1:
-                snapshot = prepare_append(c)
-                t_restore = time_call(lambda: restore(c, snapshot))["median_us"]
-                t_both = time_call(lambda: (restore(c, snapshot), append(c)))["median_us"]
-                us = max(t_both - t_restore, 1e-3)
-                # Every segment but the first shifts (8 B per entry); the new tokens are read and written.
-                moved = c.nnz_max - c.live
-                nbytes = 8 * moved + c.num_reqs * (5 + 4 + 4) + 4 * (c.num_reqs + 1)
-                rows.append({"case": c.name(), "backend": name, "op": "append", "us": us,
-                             "GBps": gbs(nbytes, us), "frac_copy": gbs(nbytes, us) / copy_gbs,
-                             "x_masked_select": base["median_us"] / us})
-                restore(c, snapshot)
-                append(c)
-                check = [torch.empty_like(b) for b in c.bufs]
-                ref.build_slot_lists(c.slots, c.alive, c.offsets, c.counts, *check, c.num_reqs, content_checks=False)
-                assert all(torch.equal(x, y) for x, y in zip(c.bufs, check)), f"{name} append != rebuild"
     return rows, summary
 
 
@@ -210,7 +189,7 @@ def main() -> None:
         cases = [Case(16, 512, 0.5, 1, device), Case(64, 256, 0.0, 1, device), Case(8, 1024, 0.3, 64, device)]
         # The interpreter is not a speed measurement: check once that Triton agrees.
         small = Case(5, 300, 0.5, 2, device, seed=1)
-        check_against_reference(small, lambda c: tk.build_slot_lists(*c.args(), c.num_reqs, content_checks=False))
+        check_against_reference(small, lambda c: tk.build_slot_lists(*c.args()))
         print("triton (interpreter) matches the torch reference on", small.name())
     else:
         cases = [
@@ -224,10 +203,10 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs()
     rows, summary = run(cases, copy_gbs, device)
     print(f"D2D copy bandwidth (read + write): {copy_gbs:.1f} GB/s on {device}")
-    print_table("build_slot_lists / append_slot_lists", rows)
+    print_table("build_slot_lists", rows)
     path = write_json("build_slot_lists", {"copy_gbs": copy_gbs, "quick": quick, "rows": rows,
                                            "summary": summary or [
-                                               {k: r[k] for k in ("op", "case", "backend", "us", "x_masked_select")}
+                                               {k: r[k] for k in ("case", "backend", "us", "x_masked_select")}
                                                for r in rows if r["backend"] != "masked_select"][:4]})
     print("wrote", path)
 

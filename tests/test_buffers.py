@@ -22,13 +22,15 @@ POISON = -7
 
 
 def _poison(bufs):
-    for t in (bufs.kv_indices, bufs.kv_indptr, bufs.slot_mapping):
+    for t in (bufs.kv_indices, bufs.kv_indptr, bufs.slot_mapping, bufs.kv_pos):
         t.fill_(POISON)
 
 
 def _expect(table, reqs, new_counts, bufs):
     lists = [table.live_slots(r) for r in reqs]
     live = np.concatenate(lists) if lists else np.zeros(0, np.int32)
+    ids = [table.live_ids(r) for r in reqs]
+    pos = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     ptr = np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int64)
     new = [table.slots(r)[table.num_tokens(r) - k:] for r, k in zip(reqs, new_counts)]
     new = np.concatenate(new) if new else np.zeros(0, np.int32)
@@ -36,8 +38,10 @@ def _expect(table, reqs, new_counts, bufs):
     got_idx = bufs.kv_indices.cpu().numpy()
     got_ptr = bufs.kv_indptr.cpu().numpy()
     got_sm = bufs.slot_mapping.cpu().numpy()
+    got_pos = bufs.kv_pos.cpu().numpy()
     assert np.array_equal(got_idx[: len(live)], live)
     assert (got_idx[len(live):] == -1).all()
+    assert np.array_equal(got_pos[: len(pos)], pos) and (got_pos[len(pos):] == -1).all()
     assert np.array_equal(got_ptr[: n + 1], ptr) and (got_ptr[n + 1:] == ptr[-1]).all()
     assert np.array_equal(bufs.kv_indptr_host[: n + 1], ptr)
     assert np.array_equal(got_sm[: len(new)], new) and (got_sm[len(new):] == -1).all()
@@ -53,7 +57,7 @@ def test_random_steps_build_equals_table(seed, monkeypatch):
                  max_src_per_plan=8, max_moves_per_step=128)
     m = rt.mirror
     bufs = SlotListBuffers(max_reqs=8, nnz_max=2048, max_tokens=64)
-    ptrs = [t.data_ptr() for t in (bufs.kv_indices, bufs.kv_indptr, bufs.slot_mapping)]
+    ptrs = [t.data_ptr() for t in (bufs.kv_indices, bufs.kv_indptr, bufs.slot_mapping, bufs.kv_pos)]
     rng = np.random.default_rng(seed)
     next_id = 0
     relocated = 0
@@ -84,49 +88,56 @@ def test_random_steps_build_equals_table(seed, monkeypatch):
             if len(live) > 4 and rng.random() < 0.7:
                 k = int(rng.integers(1, max(2, len(live) // 3)))
                 rt.evict(r, rng.choice(live[:-2], size=min(k, len(live) - 2), replace=False))
-        # A batch in a random order, sometimes a subset: the mirror re-lays itself out as needed.
+        # A batch in a random order, sometimes a subset.
         order = list(rng.permutation(len(reqs))) if rng.random() < 0.3 else list(range(len(reqs)))
         if rng.random() < 0.2 and len(order) > 1:
             order = order[:-1]
         batch = [reqs[i] for i in order]
         new = [int(counts[i]) for i in order]
         _poison(bufs)
+        m.sync()  # the step's appends (a segment that outgrew its slack re-lays out here)
+        relayouts = m.relayouts
         m.build(bufs, batch, new)
+        assert m.relayouts == relayouts  # any order, any subset: read in place
         _expect(rt.table, batch, new, bufs)
         plans = rt.mgr.maybe_plan()
         rt.mgr.launch(plans)
         rt.mgr.commit()  # record_moves into the mirror; the manager checks mirror == table (debug flag)
         relocated += sum(p.num_moves for p in plans)
         m.check_against_table()
-    assert relocated > 0 and m.relayouts > 0
-    assert ptrs == [t.data_ptr() for t in (bufs.kv_indices, bufs.kv_indptr, bufs.slot_mapping)]
+    assert relocated > 0 and m.relayouts > 0  # re-layouts come from segments outgrowing their slack
+    assert ptrs == [t.data_ptr() for t in (bufs.kv_indices, bufs.kv_indptr, bufs.slot_mapping, bufs.kv_pos)]
 
 
-def test_in_order_batches_need_no_relayout_and_reorder_does():
+def test_any_batch_order_or_subset_reads_the_mirror_in_place():
     rt = Runtime(num_blocks=100, block_size=4, mirror=True, mirror_min_slack=64)
     m = rt.mirror
-    for r in "abc":
+    for r in "abcd":
         rt.add(r)
     bufs = SlotListBuffers(max_reqs=4, nnz_max=512, max_tokens=32)
-    for _ in range(3):
-        rt.append(list("abc"), [3, 1, 2])
-        m.build(bufs, list("abc"), [3, 1, 2])
-        _expect(rt.table, list("abc"), [3, 1, 2], bufs)
-    assert m.relayouts == 0
-    # The middle request left out: its live tokens would leak into "c"'s range.
-    m.build(bufs, ["a", "c"], [0, 0])
-    _expect(rt.table, ["a", "c"], [0, 0], bufs)
-    assert m.relayouts == 1
-    m.build(bufs, ["c", "a", "b"], [0, 0, 0])
-    _expect(rt.table, ["c", "a", "b"], [0, 0, 0], bufs)
-    assert m.relayouts == 2
-    m.build(bufs, ["c", "a", "b"], [0, 0, 0])
-    assert m.relayouts == 2
-    # A removed request leaves dead space that in-order batches simply skip.
+    for step in range(3):
+        rt.append(list("abcd"), [3, 1, 2, 4])
+        rt.evict("b", [rt.table.live_ids("b")[0]])
+    slots, alive = m.slots, m.alive
+    # The same requests in two different orders, then subsets with requests left out.
+    for batch, new in ((list("abcd"), [3, 1, 2, 4]), (list("dbca"), [4, 1, 2, 3]),
+                       (["c", "a"], [2, 0]), (["d"], [1]), ([], [])):
+        _poison(bufs)
+        m.build(bufs, batch, new)
+        _expect(rt.table, batch, new, bufs)
+        # kv_pos addresses the mirror: entry j of request r sits at mirror_starts[r] + kv_pos[j].
+        ptr = bufs.kv_indptr_host
+        for i, start in enumerate(bufs.mirror_starts[: len(batch)].tolist()):
+            at = start + bufs.kv_pos.numpy()[ptr[i] : ptr[i + 1]]
+            assert np.array_equal(m.slots.numpy()[at], bufs.kv_indices.numpy()[ptr[i] : ptr[i + 1]])
+    assert m.relayouts == 0 and m.slots is slots and m.alive is alive
+    # A removed request leaves dead space that the others never read.
     rt.mgr.finish_request("a")
     m.build(bufs, ["c", "b"], [0, 0])
     _expect(rt.table, ["c", "b"], [0, 0], bufs)
-    assert m.relayouts == 2
+    assert m.relayouts == 0
+    with pytest.raises(InvalidArgumentError, match="each request once"):
+        m.build(bufs, ["c", "c"], [0, 0])
     m.check_against_table()
 
 
@@ -195,7 +206,8 @@ def test_gpu_mirror_matches_cpu_mirror(monkeypatch):
             gm.build(gb, order, [5] * len(order))
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    for a, b in ((cb.kv_indices, gb.kv_indices), (cb.kv_indptr, gb.kv_indptr), (cb.slot_mapping, gb.slot_mapping)):
+    for a, b in ((cb.kv_indices, gb.kv_indices), (cb.kv_indptr, gb.kv_indptr), (cb.slot_mapping, gb.slot_mapping),
+                 (cb.kv_pos, gb.kv_pos)):
         assert torch.equal(a, b.cpu())
     gm.check_against_table()
 

@@ -1,59 +1,55 @@
-"""Triton ``build_slot_lists`` / ``append_slot_lists``: the batch's slot lists, in place.
+"""Triton ``build_slot_lists``: a batch's slot lists from the device mirror, in place.
 
-Semantics, contract and argument shapes: :mod:`vtoken.reference.build_slot_lists`.
-Both launchers are free of host syncs (no ``.item()``), so they can be
-captured in a CUDA graph; the small workspaces they allocate come from the
-caching allocator (the graph's private pool during capture).
+Semantics: :mod:`vtoken.reference.build_slot_lists`; argument contract:
+:mod:`vtoken_kernels.contracts`. This launcher does not validate
+(:func:`vtoken.ops.build_slot_lists` does, once). It is free of host syncs (no
+``.item()``), so it can be captured in a CUDA graph; its small workspace comes
+from the caching allocator (the graph's private pool during capture).
 
-Full rebuild (two launches)
-    The batch's tokens ``[offsets[0], offsets[num_reqs])`` are contiguous in the
-    mirror and already in output order, so ``kv_indices`` is a stream compaction
-    of the whole range, independent of where requests start and end. The range
-    is cut into ``num_spans <= 1024`` spans of ``tiles_per_span`` tiles of
-    ``BLOCK`` tokens (so a long request is spread over many programs).
+Request ``r`` of the batch owns the mirror range ``[start_r, start_r + n_r)``;
+the ranges may come in any order with gaps between them, so the batch's
+tokens are not one contiguous range of the mirror. The kernels work over the
+*virtual concatenation* of the ranges in batch order instead: virtual position
+``v`` in ``[vstart_r, vstart_r + n_r)`` (``vstart`` = exclusive prefix of the
+``n_r``) is mirror position ``start_r + (v - vstart_r)``, and ``v - vstart_r``
+is the token's logical position (``kv_pos``). In virtual order the live tokens
+are already in output order, so ``kv_indices`` is one stream compaction of
+``[0, L)``, ``L = sum(n_r)``, cut into equal spans whatever the request
+lengths: a long request is spread over many programs.
 
-    1. ``_span_count_kernel``: live tokens per span.
-    2. ``_build_slot_lists_kernel``, three roles by program id:
-       * span programs: exclusive prefix of the span counts (one <=1024-wide
-         load), then per tile a ``tl.cumsum`` gives each live token its packed
-         position; the running count is carried from tile to tile;
+Three launches
+    1. ``_batch_prefix_kernel`` (one program): clamps every range into the
+       mirror (as the reference does) and writes ``start``, ``vstart[n+1]``
+       and ``kstart[n+1]`` (exclusive prefix of the new-token counts) to the
+       workspace, ``RBLOCK`` requests per step with a carried ``tl.cumsum``.
+    2. ``_span_count_kernel``: live tokens per span. Virtual ``[0, T)``
+       (``T = len(slots) >= L`` under the contract, so the grid is fixed
+       without reading ``L``) is cut into ``num_spans <= 1024`` spans of
+       ``tiles_per_span`` tiles of ``BLOCK`` positions.
+    3. ``_build_slot_lists_kernel``, three roles by program id:
+       * span programs: exclusive prefix of the span counts (one <= 1024-wide
+         load), then per tile a ``tl.cumsum`` packs the live slots (and their
+         ``kv_pos``); the running count is carried from tile to tile;
        * request programs (``max_reqs + 1``): ``kv_indptr[r]`` = live tokens
-         before ``offsets[r]`` = span prefix + the live tokens of the partial
-         span (at most one span re-read, L2-hot), saturated at ``nnz_max``;
-         request ``r < num_reqs`` also copies its new tokens' slots to
-         ``slot_mapping`` at ``sum(new_token_counts[:r])``;
-       * PAD programs: fill ``kv_indices[total:]`` and ``slot_mapping[total_new:]``.
+         before ``vstart[r]`` = span prefix + the partial span (at most one
+         span re-read, L2-hot), saturated at ``nnz_max``; request
+         ``r < num_reqs`` copies its new tokens' slots to ``slot_mapping`` at
+         ``kstart[r]``;
+       * PAD programs: fill the tails of ``kv_indices``, ``kv_pos`` and
+         ``slot_mapping``.
 
-    Traffic: alive is read twice (1 B/token each), slots once (4 B/token),
-    4 B written per live token, plus one span of alive per request and the
-    PAD tails. Each request program sums ``<= max_reqs`` counts: O(R^2)
-    L2-resident reads in total, 1 MiB at R = 512.
+Virtual to mirror
+    A tile first locates the requests of its first and last positions (two
+    scalar binary searches over ``vstart``). When they are the same request
+    (tiles inside a long request: the bulk of the bytes) every position maps
+    by one subtraction; otherwise each position runs a vector binary search
+    restricted to those requests (``ceil(log2(num_reqs + 1))`` steps of
+    L1-resident gathers).
 
-Append-only fast path (two launches)
-    Request ``r``'s old segment ``[o_r, o_{r+1})`` (old ``kv_indptr``) moves
-    right by ``s_r`` = live tokens appended by requests before ``r``, and its
-    own appended live slots land at ``o_{r+1} + s_r``. Moving in place in
-    parallel has one hazard: a request's writes end before
-    ``o_{r+1} + s_{r+1}``, which can overwrite the first ``s_q`` old entries of
-    a later request ``q`` before ``q`` read them. So:
-
-    1. ``_append_stage_kernel`` (one program per request): counts the live
-       appended tokens, snapshots the old ``kv_indptr`` and copies each
-       segment's first ``min(S_r, len_r)`` entries to a workspace, where
-       ``S_r = sum(new_token_counts[:r]) >= s_r``.
-    2. ``_append_place_kernel``: each request moves its segment's remaining
-       entries in place, last tile first with a CTA barrier between a tile's
-       load and its store (a right shift never overwrites an unread lower
-       tile), then its staged head, then appends; writes ``kv_indptr`` and
-       ``slot_mapping``.
-
-    Cost: O(appended + R) when no segment has to move (only the last requests
-    appended); otherwise every live entry behind the first appending request
-    is read and written once (8 B), plus ``sum_r min(S_r, len_r)`` staged
-    entries (about R^2/2 in decode, where every request appends one token).
-    NOTE: in decode every segment but the first moves, so the append path
-    moves about as many bytes as a rebuild writes; it saves reading the mirror
-    (5 B per token, dead tokens included) and the count pass.
+Traffic: alive is read twice (1 B/token each) and slots once (4 B/token) over
+the batch's tokens only (gaps and left-out requests are not read), 4 B written
+per live token (8 B with ``kv_pos``), plus one span per request program and
+the PAD tails. The workspace is ``3 * num_reqs + num_spans`` int64.
 """
 from __future__ import annotations
 
@@ -61,14 +57,12 @@ import torch
 import triton
 import triton.language as tl
 
-from vtoken.reference.build_slot_lists import validate_slot_list_args
-
 BLOCK = 4096
-"""Tokens per tile (16 per thread at 8 warps). Not yet tuned on a GPU."""
+"""Virtual positions per tile (16 per thread at 8 warps). Not yet tuned on a GPU."""
 MAX_SPANS = 1024
 """At most this many span programs, so a span prefix is one RBLOCK-wide load."""
 RBLOCK = 1024
-"""Width of the loads that sum span / request counts."""
+"""Width of the loads that sum span counts and scan per-request counts."""
 PAD_BLOCK = 16384
 """Elements of the PAD tails each PAD program covers."""
 NUM_WARPS = 8
@@ -80,9 +74,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def plan_spans(num_tokens: int) -> tuple[int, int]:
-    """``(num_spans, tiles_per_span)`` for a mirror of ``num_tokens`` tokens."""
-    num_tiles = _cdiv(num_tokens, BLOCK)
+def plan_spans(mirror_len: int) -> tuple[int, int]:
+    """``(num_spans, tiles_per_span)`` covering ``mirror_len`` virtual positions."""
+    num_tiles = _cdiv(mirror_len, BLOCK)
     if num_tiles == 0:
         return 0, 1
     tiles_per_span = _cdiv(num_tiles, MAX_SPANS)
@@ -92,84 +86,51 @@ def plan_spans(num_tokens: int) -> tuple[int, int]:
 def build_slot_lists(
     slots: torch.Tensor,
     alive: torch.Tensor,
-    mirror_offsets: torch.Tensor,
+    mirror_starts: torch.Tensor,
+    num_tokens: torch.Tensor,
     new_token_counts: torch.Tensor,
     kv_indices: torch.Tensor,
     kv_indptr: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_pos: torch.Tensor | None = None,
     num_reqs: int | None = None,
-    *,
-    content_checks: bool | None = None,
 ) -> None:
-    """Rebuild ``kv_indices`` / ``kv_indptr`` / ``slot_mapping`` in place (Triton).
+    """Rebuild ``kv_indices`` / ``kv_indptr`` / ``slot_mapping`` (and ``kv_pos``) in place (Triton).
 
-    Shapes and dtypes: see :mod:`vtoken.reference.build_slot_lists`.
+    Shapes and dtypes: :mod:`vtoken.reference.build_slot_lists`. Arguments
+    are not validated here (see the module docstring).
     """
-    n = validate_slot_list_args(
-        slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr, slot_mapping, num_reqs,
-        content_checks=content_checks,
+    n = mirror_starts.numel() if num_reqs is None else num_reqs
+    dev = slots.device
+    mirror_len = slots.numel()
+    num_spans, tiles_per_span = plan_spans(mirror_len)
+    ws = torch.empty(max(n, 1) + 2 * (n + 1) + max(num_spans, 1), dtype=torch.int64, device=dev)
+    ws_start = ws[: max(n, 1)]
+    ws_vstart = ws[max(n, 1) : max(n, 1) + n + 1]
+    ws_kstart = ws[max(n, 1) + n + 1 : max(n, 1) + 2 * (n + 1)]
+    span_counts = ws[max(n, 1) + 2 * (n + 1) :]
+    # Steps of a binary search over [0, n): enough to shrink n candidates to one.
+    search_iters = max(n, 1).bit_length()
+    _batch_prefix_kernel[(1,)](
+        mirror_starts, num_tokens, new_token_counts, ws_start, ws_vstart, ws_kstart,
+        mirror_len, n, RBLOCK=RBLOCK, num_warps=4,
     )
-    num_tokens = slots.numel()
     alive8 = alive.view(torch.int8)
-    num_spans, tiles_per_span = plan_spans(num_tokens)
-    span_counts = torch.empty(max(num_spans, 1), dtype=torch.int32, device=slots.device)
     if num_spans:
         _span_count_kernel[(num_spans,)](
-            alive8, mirror_offsets, span_counts, num_tokens, n, tiles_per_span,
+            alive8, ws_start, ws_vstart, span_counts,
+            n, tiles_per_span, search_iters,
             BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
     max_reqs = kv_indptr.numel() - 1
     nnz_max, max_tokens = kv_indices.numel(), slot_mapping.numel()
     num_pad = _cdiv(max(nnz_max, max_tokens), PAD_BLOCK)
-    grid = (num_spans + max_reqs + 1 + num_pad,)
-    _build_slot_lists_kernel[grid](
-        slots, alive8, mirror_offsets, new_token_counts, span_counts,
-        kv_indices, kv_indptr, slot_mapping,
-        num_tokens, n, max_reqs, nnz_max, max_tokens, num_spans, tiles_per_span,
-        BLOCK=BLOCK, RBLOCK=RBLOCK, PAD_BLOCK=PAD_BLOCK, num_warps=NUM_WARPS,
-    )
-
-
-def append_slot_lists(
-    slots: torch.Tensor,
-    alive: torch.Tensor,
-    mirror_offsets: torch.Tensor,
-    new_token_counts: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_reqs: int | None = None,
-    *,
-    content_checks: bool | None = None,
-) -> None:
-    """Append-only update of the buffers in place (Triton); equals a full rebuild.
-
-    Precondition and cost: module docstring and :mod:`vtoken.reference.build_slot_lists`.
-    """
-    n = validate_slot_list_args(
-        slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr, slot_mapping, num_reqs,
-        content_checks=content_checks,
-    )
-    dev = slots.device
-    num_tokens = slots.numel()
-    alive8 = alive.view(torch.int8)
-    max_reqs = kv_indptr.numel() - 1
-    nnz_max, max_tokens = kv_indices.numel(), slot_mapping.numel()
-    ws_counts = torch.empty(max(n, 1), dtype=torch.int32, device=dev)
-    ws_indptr = torch.empty(n + 1, dtype=torch.int32, device=dev)
-    ws_stage = torch.empty(max(nnz_max, 1), dtype=torch.int32, device=dev)
-    _append_stage_kernel[(n + 1,)](
-        alive8, mirror_offsets, new_token_counts, kv_indices, kv_indptr,
-        ws_counts, ws_indptr, ws_stage,
-        num_tokens, n, nnz_max,
-        BLOCK=BLOCK, RBLOCK=RBLOCK, num_warps=NUM_WARPS,
-    )
-    grid = (max_reqs + 1 + _cdiv(max_tokens, PAD_BLOCK),)
-    _append_place_kernel[grid](
-        slots, alive8, mirror_offsets, new_token_counts, ws_counts, ws_indptr, ws_stage,
-        kv_indices, kv_indptr, slot_mapping,
-        num_tokens, n, max_reqs, nnz_max, max_tokens,
-        BLOCK=BLOCK, RBLOCK=RBLOCK, PAD_BLOCK=PAD_BLOCK, num_warps=NUM_WARPS,
+    has_pos = kv_pos is not None
+    _build_slot_lists_kernel[(num_spans + max_reqs + 1 + num_pad,)](
+        slots, alive8, ws_start, ws_vstart, ws_kstart, span_counts,
+        kv_indices, kv_indptr, slot_mapping, kv_pos if has_pos else kv_indices,
+        n, max_reqs, nnz_max, max_tokens, num_spans, tiles_per_span, search_iters,
+        HAS_POS=has_pos, BLOCK=BLOCK, RBLOCK=RBLOCK, PAD_BLOCK=PAD_BLOCK, num_warps=NUM_WARPS,
     )
 
 
@@ -178,35 +139,45 @@ def append_slot_lists(
 
 @triton.jit
 def _sum_prefix(ptr, n, RBLOCK: tl.constexpr):
-    """sum(max(ptr[0:n], 0)) as int64 (n is small: span or request counts)."""
+    """sum(ptr[0:n]) as int64 (n is small: at most MAX_SPANS span counts)."""
     acc = tl.zeros([RBLOCK], dtype=tl.int64)
     for c in range(0, n, RBLOCK):
         i = c + tl.arange(0, RBLOCK)
-        v = tl.load(ptr + i, mask=i < n, other=0).to(tl.int64)
-        acc += tl.maximum(v, 0)
+        acc += tl.load(ptr + i, mask=i < n, other=0).to(tl.int64)
     return tl.sum(acc, axis=0)
 
 
 @triton.jit
-def _batch_bounds(offsets_ptr, num_reqs, num_tokens):
-    """[lo, hi): the batch's tokens in the mirror, clamped to [0, num_tokens]."""
-    lo = tl.load(offsets_ptr).to(tl.int64)
-    lo = tl.minimum(tl.maximum(lo, 0), num_tokens)
-    hi = tl.load(offsets_ptr + num_reqs).to(tl.int64)
-    hi = tl.minimum(tl.maximum(hi, lo), num_tokens)
-    return lo, hi
+def _locate(vstart_ptr, v, lo, hi, iters):
+    """Per element: the largest ``r`` in ``[lo, hi)`` with ``vstart[r] <= v``.
+
+    Needs ``vstart`` non-decreasing, ``vstart[lo] <= v`` and ``iters >=
+    log2(hi - lo)``. Works on scalars and on vectors alike.
+    """
+    for _ in range(iters):
+        active = hi - lo > 1
+        mid = (lo + hi) // 2
+        right = tl.load(vstart_ptr + mid, mask=active, other=0) <= v
+        lo = tl.where(active & right, mid, lo)
+        hi = tl.where(active & (right == 0), mid, hi)
+    return lo
 
 
 @triton.jit
-def _request_range(offsets_ptr, new_counts_ptr, r, lo, hi):
-    """(end, k): request r ends at ``end`` and its last ``k`` tokens are new (clamped)."""
-    end = tl.load(offsets_ptr + r + 1).to(tl.int64)
-    end = tl.minimum(tl.maximum(end, lo), hi)
-    beg = tl.load(offsets_ptr + r).to(tl.int64)
-    beg = tl.minimum(tl.maximum(beg, lo), end)
-    k = tl.load(new_counts_ptr + r).to(tl.int64)
-    k = tl.minimum(tl.maximum(k, 0), end - beg)
-    return end, k
+def _tile_to_mirror(start_ptr, vstart_ptr, v0, v_end, num_reqs, search_iters, BLOCK: tl.constexpr):
+    """``(mirror position, logical position, mask)`` of virtual positions ``v0 + [0, BLOCK)`` below ``v_end``."""
+    v = v0 + tl.arange(0, BLOCK).to(tl.int64)
+    m = v < v_end
+    zero = v0 * 0
+    r_first = _locate(vstart_ptr, v0, zero, zero + num_reqs, search_iters)
+    last = tl.maximum(tl.minimum(v0 + BLOCK, v_end) - 1, v0)
+    r_last = _locate(vstart_ptr, last, r_first, zero + num_reqs, search_iters)
+    # NOTE: a tile inside one request (r_first == r_last) skips the vector search.
+    iters = tl.where(r_last > r_first, search_iters, 0)
+    lo = tl.zeros([BLOCK], dtype=tl.int64) + r_first
+    r = _locate(vstart_ptr, v, lo, lo - r_first + r_last + 1, iters)
+    logical = v - tl.load(vstart_ptr + r, mask=m, other=0)
+    return tl.load(start_ptr + r, mask=m, other=0) + logical, logical, m
 
 
 @triton.jit
@@ -233,208 +204,138 @@ def _fill_pad(ptr, begin, end, start, BLOCK: tl.constexpr, PAD_BLOCK: tl.constex
 
 
 @triton.jit
+def _batch_prefix_kernel(
+    # Inputs
+    starts_ptr,  # [>= num_reqs] int64
+    num_tokens_ptr,  # [>= num_reqs] int32 | int64
+    new_counts_ptr,  # [>= num_reqs] int32 | int64
+    # Outputs
+    ws_start_ptr,  # [num_reqs] int64: starts clamped into [0, mirror_len]
+    ws_vstart_ptr,  # [num_reqs + 1] int64: exclusive prefix of the clamped token counts
+    ws_kstart_ptr,  # [num_reqs + 1] int64: exclusive prefix of the clamped new-token counts
+    # Constants
+    mirror_len,
+    num_reqs,
+    RBLOCK: tl.constexpr,
+):
+    # Grid: (1,)
+    carry_v = tl.full([], 0, tl.int64)
+    carry_k = tl.full([], 0, tl.int64)
+    tl.store(ws_vstart_ptr, carry_v)
+    tl.store(ws_kstart_ptr, carry_k)
+    for c in range(0, num_reqs, RBLOCK):
+        i = c + tl.arange(0, RBLOCK)
+        m = i < num_reqs
+        s = tl.load(starts_ptr + i, mask=m, other=0).to(tl.int64)
+        s = tl.minimum(tl.maximum(s, 0), mirror_len)
+        n = tl.load(num_tokens_ptr + i, mask=m, other=0).to(tl.int64)
+        n = tl.minimum(tl.maximum(n, 0), mirror_len - s)
+        k = tl.load(new_counts_ptr + i, mask=m, other=0).to(tl.int64)
+        k = tl.minimum(tl.maximum(k, 0), n)
+        tl.store(ws_start_ptr + i, s, mask=m)
+        tl.store(ws_vstart_ptr + i + 1, carry_v + tl.cumsum(n, axis=0), mask=m)
+        tl.store(ws_kstart_ptr + i + 1, carry_k + tl.cumsum(k, axis=0), mask=m)
+        carry_v += tl.sum(n, axis=0)
+        carry_k += tl.sum(k, axis=0)
+
+
+@triton.jit
 def _span_count_kernel(
     # Inputs
-    alive_ptr,  # [num_tokens] int8
-    offsets_ptr,  # [>= num_reqs + 1] int32 | int64
+    alive_ptr,  # [mirror_len] int8
+    start_ptr,  # [num_reqs] int64 (from _batch_prefix_kernel)
+    vstart_ptr,  # [num_reqs + 1] int64 (from _batch_prefix_kernel)
     # Outputs
-    span_counts_ptr,  # [num_spans] int32
+    span_counts_ptr,  # [num_spans] int64
     # Constants
-    num_tokens,
     num_reqs,
     tiles_per_span,
+    search_iters,
     BLOCK: tl.constexpr,
 ):
+    # Grid: (num_spans,)
     pid = tl.program_id(0)
-    lo, hi = _batch_bounds(offsets_ptr, num_reqs, num_tokens)
-    start = pid.to(tl.int64) * tiles_per_span * BLOCK
+    v_end = tl.load(vstart_ptr + num_reqs)
+    span0 = pid.to(tl.int64) * tiles_per_span * BLOCK
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for t in range(tiles_per_span):
-        idx = start + t * BLOCK + tl.arange(0, BLOCK)
-        m = (idx >= lo) & (idx < hi)
-        acc += (tl.load(alive_ptr + idx, mask=m, other=0) != 0).to(tl.int32)
-    tl.store(span_counts_ptr + pid, tl.sum(acc, axis=0))
-
-
-@triton.jit
-def _append_stage_kernel(
-    # Inputs
-    alive_ptr,  # [num_tokens] int8
-    offsets_ptr,  # [>= num_reqs + 1] int32 | int64
-    new_counts_ptr,  # [>= num_reqs] int32 | int64
-    kv_indices_ptr,  # [nnz_max] int32 (previous build)
-    kv_indptr_ptr,  # [max_reqs + 1] int32 (previous build)
-    # Outputs
-    ws_counts_ptr,  # [num_reqs] int32: live appended tokens per request
-    ws_indptr_ptr,  # [num_reqs + 1] int32: snapshot of the old kv_indptr
-    ws_stage_ptr,  # [nnz_max] int32: staged segment heads, at their old positions
-    # Constants
-    num_tokens,
-    num_reqs,
-    nnz_max,
-    BLOCK: tl.constexpr,
-    RBLOCK: tl.constexpr,
-):
-    # Grid: (num_reqs + 1,)
-    r = tl.program_id(0)
-    o_r = tl.load(kv_indptr_ptr + r).to(tl.int64)
-    o_r = tl.minimum(tl.maximum(o_r, 0), nnz_max)
-    tl.store(ws_indptr_ptr + r, o_r.to(tl.int32))
-    if r < num_reqs:
-        lo, hi = _batch_bounds(offsets_ptr, num_reqs, num_tokens)
-        end, k = _request_range(offsets_ptr, new_counts_ptr, r, lo, hi)
-        acc = tl.zeros([BLOCK], dtype=tl.int32)
-        for j0 in range(0, k, BLOCK):
-            j = j0 + tl.arange(0, BLOCK)
-            acc += (tl.load(alive_ptr + end - k + j, mask=j < k, other=0) != 0).to(tl.int32)
-        tl.store(ws_counts_ptr + r, tl.sum(acc, axis=0))
-        # NOTE: S_r >= s_r (the real shift) because it also counts dead appended
-        # tokens; staging the first S_r entries covers every entry an earlier
-        # request can overwrite (see the module docstring).
-        upper_shift = _sum_prefix(new_counts_ptr, r, RBLOCK)
-        o_next = tl.load(kv_indptr_ptr + r + 1).to(tl.int64)
-        o_next = tl.minimum(tl.maximum(o_next, o_r), nnz_max)
-        stage = tl.minimum(upper_shift, o_next - o_r)
-        for j0 in range(0, stage, BLOCK):
-            j = j0 + tl.arange(0, BLOCK)
-            m = j < stage
-            v = tl.load(kv_indices_ptr + o_r + j, mask=m, other=_PAD)
-            tl.store(ws_stage_ptr + o_r + j, v, mask=m)
-
-
-@triton.jit
-def _append_place_kernel(
-    # Inputs
-    slots_ptr,  # [num_tokens] int32
-    alive_ptr,  # [num_tokens] int8
-    offsets_ptr,  # [>= num_reqs + 1] int32 | int64
-    new_counts_ptr,  # [>= num_reqs] int32 | int64
-    ws_counts_ptr,  # [num_reqs] int32 (from _append_stage_kernel)
-    ws_indptr_ptr,  # [num_reqs + 1] int32 (from _append_stage_kernel)
-    ws_stage_ptr,  # [nnz_max] int32 (from _append_stage_kernel)
-    # Outputs
-    kv_indices_ptr,  # [nnz_max] int32, updated in place
-    kv_indptr_ptr,  # [max_reqs + 1] int32
-    slot_mapping_ptr,  # [max_tokens] int32
-    # Constants
-    num_tokens,
-    num_reqs,
-    max_reqs,
-    nnz_max,
-    max_tokens,
-    BLOCK: tl.constexpr,
-    RBLOCK: tl.constexpr,
-    PAD_BLOCK: tl.constexpr,
-):
-    # Grid: (max_reqs + 1 + cdiv(max_tokens, PAD_BLOCK),)
-    pid = tl.program_id(0)
-    if pid <= max_reqs:
-        r = pid
-        rr = tl.minimum(r, num_reqs)
-        shift = _sum_prefix(ws_counts_ptr, rr, RBLOCK)
-        o_r = tl.load(ws_indptr_ptr + rr).to(tl.int64)
-        tl.store(kv_indptr_ptr + r, tl.minimum(o_r + shift, nnz_max).to(tl.int32))
-        if r < num_reqs:
-            o_next = tl.maximum(tl.load(ws_indptr_ptr + r + 1).to(tl.int64), o_r)
-            upper_shift = _sum_prefix(new_counts_ptr, r, RBLOCK)
-            stage = tl.minimum(upper_shift, o_next - o_r)
-            if shift > 0:
-                # Unstaged part [o_r + stage, o_next): in place, last tile first.
-                for t in range(0, o_next - o_r - stage, BLOCK):
-                    idx = o_next - t - BLOCK + tl.arange(0, BLOCK)
-                    m = idx >= o_r + stage
-                    v = tl.load(kv_indices_ptr + idx, mask=m, other=_PAD)
-                    # NOTE: within a tile, a thread's store can land on an
-                    # element another warp has not loaded yet (shift < BLOCK).
-                    tl.debug_barrier()
-                    dst = idx + shift
-                    tl.store(kv_indices_ptr + dst, v, mask=m & (dst < nnz_max))
-                # Staged head [o_r, o_r + stage).
-                for j0 in range(0, stage, BLOCK):
-                    j = j0 + tl.arange(0, BLOCK)
-                    m = j < stage
-                    v = tl.load(ws_stage_ptr + o_r + j, mask=m, other=_PAD)
-                    dst = o_r + j + shift
-                    tl.store(kv_indices_ptr + dst, v, mask=m & (dst < nnz_max))
-            lo, hi = _batch_bounds(offsets_ptr, num_reqs, num_tokens)
-            end, k = _request_range(offsets_ptr, new_counts_ptr, r, lo, hi)
-            base = o_next + shift
-            for j0 in range(0, k, BLOCK):
-                j = j0 + tl.arange(0, BLOCK)
-                src = end - k + j
-                live = (tl.load(alive_ptr + src, mask=j < k, other=0) != 0).to(tl.int32)
-                dst = base + tl.cumsum(live, axis=0) - live
-                keep = (live != 0) & (dst < nnz_max)
-                tl.store(kv_indices_ptr + dst, tl.load(slots_ptr + src, mask=keep, other=_PAD), mask=keep)
-                base += tl.sum(live, axis=0)
-            _copy_new_slots(slots_ptr, slot_mapping_ptr, end - k, upper_shift, k, max_tokens, BLOCK)
-    else:
-        total_new = tl.minimum(_sum_prefix(new_counts_ptr, num_reqs, RBLOCK), max_tokens)
-        start = (pid - max_reqs - 1).to(tl.int64) * PAD_BLOCK
-        _fill_pad(slot_mapping_ptr, total_new, max_tokens, start, BLOCK, PAD_BLOCK)
+        mpos, logical, m = _tile_to_mirror(start_ptr, vstart_ptr, span0 + t * BLOCK, v_end, num_reqs,
+                                           search_iters, BLOCK)
+        acc += (tl.load(alive_ptr + mpos, mask=m, other=0) != 0).to(tl.int32)
+    tl.store(span_counts_ptr + pid, tl.sum(acc, axis=0).to(tl.int64))
 
 
 @triton.jit
 def _build_slot_lists_kernel(
     # Inputs
-    slots_ptr,  # [num_tokens] int32
-    alive_ptr,  # [num_tokens] int8
-    offsets_ptr,  # [>= num_reqs + 1] int32 | int64
-    new_counts_ptr,  # [>= num_reqs] int32 | int64
-    span_counts_ptr,  # [num_spans] int32 (from _span_count_kernel)
+    slots_ptr,  # [mirror_len] int32
+    alive_ptr,  # [mirror_len] int8
+    start_ptr,  # [num_reqs] int64 (from _batch_prefix_kernel)
+    vstart_ptr,  # [num_reqs + 1] int64 (from _batch_prefix_kernel)
+    kstart_ptr,  # [num_reqs + 1] int64 (from _batch_prefix_kernel)
+    span_counts_ptr,  # [num_spans] int64 (from _span_count_kernel)
     # Outputs
     kv_indices_ptr,  # [nnz_max] int32
     kv_indptr_ptr,  # [max_reqs + 1] int32
     slot_mapping_ptr,  # [max_tokens] int32
+    kv_pos_ptr,  # [nnz_max] int32 (unused unless HAS_POS)
     # Constants
-    num_tokens,
     num_reqs,
     max_reqs,
     nnz_max,
     max_tokens,
     num_spans,
     tiles_per_span,
+    search_iters,
+    HAS_POS: tl.constexpr,
     BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr,
     PAD_BLOCK: tl.constexpr,
 ):
     # Grid: (num_spans + max_reqs + 1 + cdiv(max(nnz_max, max_tokens), PAD_BLOCK),)
     pid = tl.program_id(0)
-    lo, hi = _batch_bounds(offsets_ptr, num_reqs, num_tokens)
+    span_tokens = tiles_per_span.to(tl.int64) * BLOCK
+    v_end = tl.load(vstart_ptr + num_reqs)
     if pid < num_spans:
         # Span program: pack the span's live slots after those of earlier spans.
         base = _sum_prefix(span_counts_ptr, pid, RBLOCK)
-        start = pid.to(tl.int64) * tiles_per_span * BLOCK
+        span0 = pid.to(tl.int64) * span_tokens
         for t in range(tiles_per_span):
-            idx = start + t * BLOCK + tl.arange(0, BLOCK)
-            m = (idx >= lo) & (idx < hi)
-            live = (tl.load(alive_ptr + idx, mask=m, other=0) != 0).to(tl.int32)
+            mpos, logical, m = _tile_to_mirror(start_ptr, vstart_ptr, span0 + t * BLOCK, v_end, num_reqs,
+                                               search_iters, BLOCK)
+            live = (tl.load(alive_ptr + mpos, mask=m, other=0) != 0).to(tl.int32)
             dst = base + tl.cumsum(live, axis=0) - live
             keep = (live != 0) & (dst < nnz_max)
-            tl.store(kv_indices_ptr + dst, tl.load(slots_ptr + idx, mask=keep, other=_PAD), mask=keep)
+            tl.store(kv_indices_ptr + dst, tl.load(slots_ptr + mpos, mask=keep, other=_PAD), mask=keep)
+            if HAS_POS:
+                tl.store(kv_pos_ptr + dst, logical.to(tl.int32), mask=keep)
             base += tl.sum(live, axis=0)
     elif pid <= num_spans + max_reqs:
         # Request program: kv_indptr[r], then request r's new slots.
         r = pid - num_spans
-        p = tl.load(offsets_ptr + tl.minimum(r, num_reqs)).to(tl.int64)
-        p = tl.minimum(tl.maximum(p, lo), hi)
-        span_tokens = tiles_per_span * BLOCK
-        span = p // span_tokens
+        # NOTE: clamped to the spans' coverage: only overlapping ranges (a
+        # contract violation) make the batch longer than the mirror.
+        v = tl.minimum(tl.load(vstart_ptr + tl.minimum(r, num_reqs)), num_spans * span_tokens)
+        span = v // span_tokens
         live_before = _sum_prefix(span_counts_ptr, span, RBLOCK)
-        seg = span * span_tokens
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
         for t in range(tiles_per_span):
-            idx = seg + t * BLOCK + tl.arange(0, BLOCK)
-            m = (idx >= lo) & (idx < p)
-            live_before += tl.sum((tl.load(alive_ptr + idx, mask=m, other=0) != 0).to(tl.int32), axis=0)
+            mpos, logical, m = _tile_to_mirror(start_ptr, vstart_ptr, span * span_tokens + t * BLOCK, v, num_reqs,
+                                               search_iters, BLOCK)
+            acc += (tl.load(alive_ptr + mpos, mask=m, other=0) != 0).to(tl.int32)
+        live_before += tl.sum(acc, axis=0)
         tl.store(kv_indptr_ptr + r, tl.minimum(live_before, nnz_max).to(tl.int32))
         if r < num_reqs:
-            end, k = _request_range(offsets_ptr, new_counts_ptr, r, lo, hi)
-            base = _sum_prefix(new_counts_ptr, r, RBLOCK)
-            _copy_new_slots(slots_ptr, slot_mapping_ptr, end - k, base, k, max_tokens, BLOCK)
+            k0 = tl.load(kstart_ptr + r)
+            k = tl.load(kstart_ptr + r + 1) - k0
+            end = tl.load(start_ptr + r) + tl.load(vstart_ptr + r + 1) - tl.load(vstart_ptr + r)
+            _copy_new_slots(slots_ptr, slot_mapping_ptr, end - k, k0, k, max_tokens, BLOCK)
     else:
         # PAD program: the unused tails.
         start = (pid - num_spans - max_reqs - 1).to(tl.int64) * PAD_BLOCK
         total = tl.minimum(_sum_prefix(span_counts_ptr, num_spans, RBLOCK), nnz_max)
         _fill_pad(kv_indices_ptr, total, nnz_max, start, BLOCK, PAD_BLOCK)
-        total_new = tl.minimum(_sum_prefix(new_counts_ptr, num_reqs, RBLOCK), max_tokens)
+        if HAS_POS:
+            _fill_pad(kv_pos_ptr, total, nnz_max, start, BLOCK, PAD_BLOCK)
+        total_new = tl.minimum(tl.load(kstart_ptr + num_reqs), max_tokens)
         _fill_pad(slot_mapping_ptr, total_new, max_tokens, start, BLOCK, PAD_BLOCK)

@@ -7,29 +7,22 @@ the host and shipped by :meth:`DeviceMirror.flush` in ONE async H2D copy from
 a pinned staging buffer, then applied by one ``index_copy_`` per array.
 
 :class:`SlotListBuffers` holds the batch's attention inputs at fixed
-addresses (``kv_indices``, ``kv_indptr``, ``slot_mapping``, plus the
-``mirror_offsets`` / ``new_token_counts`` arguments), overwritten in place by
-``ops.build_slot_lists`` so a captured CUDA graph replays against them.
+addresses (``kv_indices``, ``kv_indptr``, ``slot_mapping``, ``kv_pos``, plus
+the ``mirror_starts`` / ``num_tokens`` / ``new_token_counts`` arguments),
+overwritten in place by ``ops.build_slot_lists`` so a captured CUDA graph
+replays against them.
 
 Mirror layout
     Each request owns a segment ``[start, start + cap)`` of the mirror arena;
     its ``n`` tokens fill ``[start, start + n)`` in logical order and the rest
     of the segment is slack with ``alive == 0``. Every mirror position that is
     not a current token of a tracked request has ``alive == 0`` (slack, the
-    segments of removed requests). ``build_slot_lists`` reads the batch as
-    consecutive ranges ``[offsets[r], offsets[r+1])`` and takes each request's
-    new tokens from the END of its range, so the batch is described as::
-
-        offsets[0]   = start of the first request's segment
-        offsets[r+1] = start_r + n_r        (end of request r's tokens)
-
-    i.e. the slack after request ``r`` (dead entries) is at the FRONT of
-    request ``r+1``'s range, where it is skipped, and the new tokens are the
-    last entries of each range. This needs the batch's segments in ascending
-    mirror order with no other tracked request between them; when a batch
-    breaks that (a new order, a request left out) or a request outgrows its
-    segment, the mirror is re-laid out in the batch's order on the device (one
-    gather over the live segments, no host sync), with fresh slack.
+    segments of removed requests). A batch is passed to ``build_slot_lists``
+    as each request's ``(start, n)``, in batch order, so any batch order and
+    any subset of the tracked requests reads the mirror in place. The mirror
+    is re-laid out (one gather over the live segments on the device, no host
+    sync, fresh slack) only when a request outgrows its segment and that
+    segment is not the arena's last (the last one grows in place).
 
 NOTE: the mirror tensors may change address on a re-layout or growth; they
 are inputs of ``build_slot_lists`` (run before a graph replay), never
@@ -80,7 +73,10 @@ class SlotListBuffers:
         kv_indices       int32 [nnz_max]      live slots, packed per request, PAD tail
         kv_indptr        int32 [max_reqs + 1] exclusive prefix sum of live counts
         slot_mapping     int32 [max_tokens]   the new tokens' slots, PAD tail
-        mirror_offsets   int64 [max_reqs + 1] build argument (see DeviceMirror)
+        kv_pos           int32 [nnz_max]      each live slot's token id in its request, PAD tail
+                                              (its mirror position is mirror_starts[r] + kv_pos)
+        mirror_starts    int64 [max_reqs]     build argument: each request's segment start
+        num_tokens       int64 [max_reqs]     build argument: each request's token count
         new_token_counts int64 [max_reqs]     build argument
 
     Host mirrors (no device read): ``num_reqs``, ``kv_indptr_host`` (int64,
@@ -102,7 +98,9 @@ class SlotListBuffers:
         self.kv_indices = torch.full((self.nnz_max,), PAD, dtype=torch.int32, device=dev)
         self.kv_indptr = torch.zeros(self.max_reqs + 1, dtype=torch.int32, device=dev)
         self.slot_mapping = torch.full((self.max_tokens,), PAD, dtype=torch.int32, device=dev)
-        self.mirror_offsets = torch.zeros(self.max_reqs + 1, dtype=torch.int64, device=dev)
+        self.kv_pos = torch.full((self.nnz_max,), PAD, dtype=torch.int32, device=dev)
+        self.mirror_starts = torch.zeros(self.max_reqs, dtype=torch.int64, device=dev)
+        self.num_tokens = torch.zeros(self.max_reqs, dtype=torch.int64, device=dev)
         self.new_token_counts = torch.zeros(self.max_reqs, dtype=torch.int64, device=dev)
         self.num_reqs = 0
         self.num_new_tokens = 0
@@ -371,29 +369,6 @@ class DeviceMirror:
         self.relayouts += 1
 
     # ----------------------------------------------------------------- build
-    def batch_offsets(self, reqs: Sequence) -> np.ndarray:
-        """``mirror_offsets`` (int64 [n+1]) of a batch, re-laying out the mirror if needed."""
-        rows = np.fromiter((self._row(r) for r in reqs), dtype=np.int64, count=len(reqs))
-        if len(rows) == 0:
-            return np.zeros(1, dtype=np.int64)
-        if not self._contiguous(rows):
-            self._relayout(rows.tolist())
-        off = np.empty(len(rows) + 1, dtype=np.int64)
-        off[0] = self._start[rows[0]]
-        off[1:] = self._start[rows] + self._n[rows]
-        return off
-
-    def _contiguous(self, rows: np.ndarray) -> bool:
-        starts = self._start[rows]
-        if len(rows) > 1 and (np.diff(starts) <= 0).any():
-            return False
-        if len(np.unique(rows)) != len(rows):
-            return False
-        allrows = np.fromiter(self._tracked.values(), dtype=np.int64, count=len(self._tracked))
-        s_all = self._start[allrows]
-        between = int(((s_all >= starts[0]) & (s_all <= starts[-1])).sum())
-        return between == len(rows)
-
     def build(self, buffers: SlotListBuffers, reqs: Sequence, new_token_counts) -> None:
         """Flush the deltas and rebuild ``buffers`` for the batch ``reqs`` (in this order).
 
@@ -412,8 +387,8 @@ class DeviceMirror:
         rows = np.fromiter((self._row(r) for r in reqs), dtype=np.int64, count=len(reqs))
         if has_duplicates(np.sort(rows)):
             raise InvalidArgumentError(f"reqs: expected each request once, got duplicates in {reqs[:8]!r}")
-        off = self.batch_offsets(reqs)
-        if len(reqs) and ((k < 0) | (k > self._n[rows])).any():
+        starts, ntok = self._start[rows].copy(), self._n[rows].copy()
+        if len(reqs) and ((k < 0) | (k > ntok)).any():
             raise InvalidArgumentError("new_token_counts: expected 0 <= count <= the request's tokens")
         live = self._nlive[rows]
         if int(live.sum()) > buffers.nnz_max:
@@ -422,16 +397,16 @@ class DeviceMirror:
             raise InvalidArgumentError(f"buffers: expected max_tokens >= {int(k.sum())} new tokens, got {buffers.max_tokens}")
         self.flush()
         n = len(reqs)
-        host = np.zeros(2 * buffers.max_reqs + 1, dtype=np.int64)
-        host[: n + 1] = off
-        host[n + 1 : buffers.max_reqs + 1] = off[-1]
-        host[buffers.max_reqs + 1 : buffers.max_reqs + 1 + n] = k
-        dev = self._to_device(host)
-        buffers.mirror_offsets.copy_(dev[: buffers.max_reqs + 1])
-        buffers.new_token_counts.copy_(dev[buffers.max_reqs + 1 :])
+        # One H2D copy for the three argument arrays (zeros past n: empty ranges).
+        host = np.zeros((3, buffers.max_reqs), dtype=np.int64)
+        host[0, :n], host[1, :n], host[2, :n] = starts, ntok, k
+        dev = self._to_device(host.reshape(-1)).view(3, -1)
+        buffers.mirror_starts.copy_(dev[0])
+        buffers.num_tokens.copy_(dev[1])
+        buffers.new_token_counts.copy_(dev[2])
         ops.build_slot_lists(
-            self.slots, self.alive, buffers.mirror_offsets, buffers.new_token_counts,
-            buffers.kv_indices, buffers.kv_indptr, buffers.slot_mapping, num_reqs=n,
+            self.slots, self.alive, buffers.mirror_starts, buffers.num_tokens, buffers.new_token_counts,
+            buffers.kv_indices, buffers.kv_indptr, buffers.slot_mapping, kv_pos=buffers.kv_pos, num_reqs=n,
         )
         buffers.num_reqs = n
         buffers.num_new_tokens = int(k.sum())

@@ -151,79 +151,79 @@ def compact_kv(kv_caches, layout, src_slots, dst_slots, *, validate=None) -> Non
         ref.compact_kv(kv_caches, layout, src_slots, dst_slots, validate=validate)
 
 
-# --- build_slot_lists / append_slot_lists / block_live_counts ----------------
+# --- build_slot_lists / block_live_counts ------------------------------------
 
 
-def build_slot_lists(slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr, slot_mapping,
-                     num_reqs=None) -> None:
+def build_slot_lists(slots, alive, mirror_starts, num_tokens, new_token_counts, kv_indices, kv_indptr, slot_mapping,
+                     kv_pos=None, num_reqs=None) -> None:
     """Rebuild a batch's attention inputs from the device mirror, in place (no host sync).
 
-    Inputs: int32 ``slots[T]`` and int8/bool ``alive[T]`` (the batch's requests'
-    tokens, concatenated in logical order), int32/int64 ``mirror_offsets[>=
-    num_reqs+1]`` (request ``r`` is ``[offsets[r], offsets[r+1])``), int32/int64
-    ``new_token_counts[>= num_reqs]`` (each request's last tokens that are new).
-    Outputs, overwritten at fixed addresses: int32 ``kv_indices[nnz_max]`` (live
-    slots, packed per request, PAD tail), int32 ``kv_indptr[max_reqs+1]``
-    (exclusive prefix of live counts, the total repeated past ``num_reqs``),
-    int32 ``slot_mapping[max_tokens]`` (new tokens' slots, PAD tail).
-    ``num_reqs`` defaults to ``len(mirror_offsets) - 1``. Contract (capacity
-    included) and overflow behaviour: :mod:`vtoken.reference.build_slot_lists`;
-    checked on the host for CPU tensors or under ``VTOKEN_DEBUG_INVARIANTS=1``.
+    Request ``r`` of the batch (``0 <= r < num_reqs``, in batch order) owns the
+    mirror positions ``[mirror_starts[r], mirror_starts[r] + num_tokens[r])``,
+    its tokens in logical order; its last ``new_token_counts[r]`` tokens are
+    new. Requests may come in any order and with gaps between their ranges,
+    which must not overlap.
+
+    Parameters
+    ----------
+    slots : torch.Tensor
+        int32 ``[T]``, the mirror's per-token slots.
+    alive : torch.Tensor
+        int8 or bool ``[T]``, the mirror's alive bits.
+    mirror_starts : torch.Tensor
+        int64 ``[>= num_reqs]``: where each request's tokens begin.
+    num_tokens : torch.Tensor
+        int32 or int64 ``[>= num_reqs]``: each request's token count.
+    new_token_counts : torch.Tensor
+        int32 or int64 ``[>= num_reqs]``: each request's new tokens (its last ones).
+    kv_indices : torch.Tensor
+        int32 ``[nnz_max]``, output: live slots packed per request in batch order, PAD tail.
+    kv_indptr : torch.Tensor
+        int32 ``[max_reqs + 1]``, output: exclusive prefix of the live counts, the
+        total repeated past ``num_reqs``.
+    slot_mapping : torch.Tensor
+        int32 ``[max_tokens]``, output: the new tokens' slots packed per request, PAD tail.
+    kv_pos : torch.Tensor | None
+        int32 ``[nnz_max]``, optional output: each ``kv_indices`` entry's position in its
+        request (its logical token id, so its mirror position is ``mirror_starts[r] +
+        kv_pos[j]``), PAD tail.
+    num_reqs : int | None
+        Requests in the batch; defaults to ``len(mirror_starts)``.
+
+    Contract (capacity included) and overflow behaviour:
+    :mod:`vtoken_kernels.contracts`; contents are checked on the host for CPU
+    tensors or under ``VTOKEN_DEBUG_INVARIANTS=1``, before anything is written.
 
     Example
     -------
     >>> import torch
     >>> from vtoken.ops import build_slot_lists
-    >>> slots = torch.tensor([5, 6, 7, 20, 21], dtype=torch.int32)
-    >>> alive = torch.tensor([1, 0, 1, 1, 1], dtype=torch.int8)
-    >>> offsets = torch.tensor([0, 3, 5])
-    >>> new = torch.tensor([1, 1])
-    >>> idx, ip, sm = (torch.empty(6, dtype=torch.int32), torch.empty(4, dtype=torch.int32),
-    ...                torch.empty(3, dtype=torch.int32))
-    >>> build_slot_lists(slots, alive, offsets, new, idx, ip, sm)
-    >>> idx.tolist(), ip.tolist(), sm.tolist()
-    ([5, 7, 20, 21, -1, -1], [0, 2, 4, 4], [7, 21, -1])
+    >>> slots = torch.tensor([20, 21, -1, 5, 6, 7], dtype=torch.int32)
+    >>> alive = torch.tensor([1, 1, 0, 1, 0, 1], dtype=torch.int8)
+    >>> starts = torch.tensor([3, 0])  # request 0 at [3, 6), request 1 at [0, 2)
+    >>> n, new = torch.tensor([3, 2]), torch.tensor([1, 1])
+    >>> idx, ip, sm, pos = (torch.empty(6, dtype=torch.int32), torch.empty(4, dtype=torch.int32),
+    ...                     torch.empty(3, dtype=torch.int32), torch.empty(6, dtype=torch.int32))
+    >>> build_slot_lists(slots, alive, starts, n, new, idx, ip, sm, kv_pos=pos)
+    >>> idx.tolist(), ip.tolist(), sm.tolist(), pos.tolist()
+    ([5, 7, 20, 21, -1, -1], [0, 2, 4, 4], [7, 21, -1], [0, 2, 0, 1, -1, -1])
 
     Backends: ``torch.ops.vtoken.build_slot_lists`` (CUDA, or C++ on CPU
     tensors) > Triton > :mod:`vtoken.reference.build_slot_lists`.
     """
-    _slot_lists("build_slot_lists", slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr,
-                slot_mapping, num_reqs)
+    from vtoken_kernels.contracts import validate_slot_list_args
 
-
-def append_slot_lists(slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr, slot_mapping,
-                      num_reqs=None) -> None:
-    """Append-only fast path of :func:`build_slot_lists`; same arguments, same result.
-
-    Precondition: the buffers hold a build over the same requests (new ones may
-    follow at the end) and since then request ``r`` only appended its last
-    ``new_token_counts[r]`` tokens (no eviction, no move, no removal).
-    ``mirror_offsets`` / ``new_token_counts`` describe the mirror after the
-    appends. Cost: O(appended + requests) when no segment has to shift, else one
-    read + write of every entry behind the first appending request (see
-    :mod:`vtoken_kernels.build_slot_lists`). Under ``VTOKEN_DEBUG_INVARIANTS=1``
-    the precondition is verified on the host first (a sync).
-    """
-    _slot_lists("append_slot_lists", slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr,
-                slot_mapping, num_reqs)
-
-
-def _slot_lists(op, slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr, slot_mapping, num_reqs):
-    from vtoken.reference import build_slot_lists as ref
-
-    args = (slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr, slot_mapping)
-    n = ref.validate_slot_list_args(*args, num_reqs)
-    if op == "append_slot_lists" and ref.debug_checks_enabled() and not ref._capturing(slots.device):
-        ref.validate_append_precondition(slots, alive, mirror_offsets, new_token_counts, kv_indices, kv_indptr, n)
-    backend = select_backend(op, slots.device)
+    args = (slots, alive, mirror_starts, num_tokens, new_token_counts, kv_indices, kv_indptr, slot_mapping, kv_pos)
+    n = validate_slot_list_args(*args, num_reqs)
+    backend = select_backend("build_slot_lists", slots.device)
     if backend == "cuda":
-        getattr(torch.ops.vtoken, op)(*args, n)
-    elif backend == "triton":
-        import vtoken_kernels.build_slot_lists as impl
-
-        getattr(impl, op)(*args, n, content_checks=False)
+        torch.ops.vtoken.build_slot_lists(*args, n)
     else:
-        getattr(ref, op)(*args, n, content_checks=False)
+        if backend == "triton":
+            from vtoken_kernels.build_slot_lists import build_slot_lists as impl
+        else:
+            from vtoken.reference.build_slot_lists import build_slot_lists as impl
+        impl(*args, n)
 
 
 def block_live_counts(slots, alive, num_blocks: int, block_size: int, allocated=None):
