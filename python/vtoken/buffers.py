@@ -107,6 +107,74 @@ class SlotListBuffers:
         self.kv_indptr_host = np.zeros(self.max_reqs + 1, dtype=np.int64)
 
 
+class DeltaShipper:
+    """Pending (position, value) writes to a mirror's slot / alive tensors, shipped in one H2D copy.
+
+    ``flush`` dedupes (the last write to a position wins), packs both arrays
+    into one int64 host buffer, copies it to the device (pinned staging and a
+    non-blocking copy on GPU: no host sync) and applies it with one
+    ``index_copy_`` per tensor.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.is_gpu = device.type == "cuda"
+        self._slot: list = []  # (positions int64, values int32)
+        self._alive: list = []  # (positions int64, values int8)
+        # NOTE: a staging buffer is reused only once its copy's event completed (no host wait).
+        self._staging = StagingRing(pinned=True, dtype=torch.int64, prealloc=8, capacity=1 << 16) \
+            if self.is_gpu else None
+        self.bytes_shipped = 0
+
+    def set_slots(self, positions: np.ndarray, values) -> None:
+        self._slot.append((positions, np.asarray(values, dtype=np.int32)))
+
+    def set_alive(self, positions: np.ndarray, value: int) -> None:
+        self._alive.append((positions, np.full(len(positions), value, dtype=np.int8)))
+
+    @staticmethod
+    def _dedupe(parts: list) -> tuple[np.ndarray, np.ndarray]:
+        """Concatenate (positions, values) parts; for a repeated position the LAST write wins."""
+        pos = np.concatenate([p for p, _ in parts])
+        val = np.concatenate([v for _, v in parts])
+        if len(pos) > 1:
+            rpos = pos[::-1]
+            _, first = np.unique(rpos, return_index=True)
+            keep = len(pos) - 1 - first
+            pos, val = pos[keep], val[keep]
+        return pos, val
+
+    def flush(self, slots: torch.Tensor, alive: torch.Tensor) -> int:
+        """Apply every pending write to ``slots`` / ``alive``; return the entries shipped."""
+        if not self._slot and not self._alive:
+            return 0
+        sp, sv = self._dedupe(self._slot) if self._slot else (np.zeros(0, np.int64), np.zeros(0, np.int32))
+        ap, av = self._dedupe(self._alive) if self._alive else (np.zeros(0, np.int64), np.zeros(0, np.int8))
+        self._slot, self._alive = [], []
+        k1, k2 = len(sp), len(ap)
+        packed = np.concatenate([sp, sv.astype(np.int64), ap, av.astype(np.int64)])
+        dev = self.to_device(packed)
+        if k1:
+            slots.index_copy_(0, dev[:k1], dev[k1 : 2 * k1].to(torch.int32))
+        if k2:
+            alive.index_copy_(0, dev[2 * k1 : 2 * k1 + k2], dev[2 * k1 + k2 :].to(torch.int8))
+        self.bytes_shipped += packed.nbytes
+        return k1 + k2
+
+    def to_device(self, arr: np.ndarray) -> torch.Tensor:
+        """An int64 host array on the device: pinned staging + async H2D on GPU (no sync)."""
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
+        if not self.is_gpu:
+            return torch.from_numpy(arr).to(self.device)
+        host = self._staging.acquire(len(arr))
+        host.numpy()[: len(arr)] = arr
+        dev = host[: len(arr)].to(self.device, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._staging.retire(host, ev)
+        return dev
+
+
 class DeviceMirror:
     """Per-token slot / alive arrays of a :class:`vtoken.table.TokenTable`, on a device.
 
@@ -153,11 +221,8 @@ class DeviceMirror:
         self._nlive = np.zeros(64, dtype=np.int64)
         self._tracked: dict = {}  # req -> row
         self._req_of: dict = {}  # row -> req
-        self._d_slot: list = []  # (positions int64, values int32)
-        self._d_alive: list = []  # (positions int64, values int8)
-        self._staging = StagingRing(pinned=True, dtype=torch.int64, prealloc=8, capacity=1 << 16) if self.is_gpu else None
+        self.deltas = DeltaShipper(self.device)
         self.relayouts = 0
-        self.bytes_shipped = 0
         self._reader = None
         if table is not None:
             self._reader = table.journal.subscribe()
@@ -245,19 +310,19 @@ class DeviceMirror:
         starts = np.cumsum(counts) - counts
         within = np.arange(len(slots), dtype=np.int64) - np.repeat(starts, counts)
         pos = np.repeat(self._start[rows] + self._n[rows], counts) + within
-        self._d_slot.append((pos, slots.astype(np.int32)))
-        self._d_alive.append((pos, np.ones(len(pos), dtype=np.int8)))
+        self.deltas.set_slots(pos, slots)
+        self.deltas.set_alive(pos, 1)
         self._n[rows] += counts
         self._nlive[rows] += counts
 
     def _on_evict(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         if token_ids.size:
-            self._d_alive.append((self._start[rows] + token_ids, np.zeros(len(token_ids), dtype=np.int8)))
+            self.deltas.set_alive(self._start[rows] + token_ids, 0)
             np.subtract.at(self._nlive, rows, 1)
 
     def _on_move(self, row: int, token_ids: np.ndarray, old_slots: np.ndarray, new_slots: np.ndarray) -> None:
         if token_ids.size:
-            self._d_slot.append((self._start[row] + token_ids, np.asarray(new_slots, dtype=np.int32)))
+            self.deltas.set_slots(self._start[row] + token_ids, new_slots)
 
     def _on_finish(self, row: int) -> None:
         """The request left: its segment becomes dead space (alive = 0)."""
@@ -271,47 +336,12 @@ class DeviceMirror:
     _HANDLERS = {"add": _on_add, "append": _on_append, "evict": _on_evict, "move": _on_move, "finish": _on_finish}
 
     # -------------------------------------------------------------- shipping
-    @staticmethod
-    def _dedupe(parts: list) -> tuple[np.ndarray, np.ndarray]:
-        """Concatenate (positions, values) parts; for a repeated position the LAST write wins."""
-        pos = np.concatenate([p for p, _ in parts])
-        val = np.concatenate([v for _, v in parts])
-        if len(pos) > 1:
-            rpos = pos[::-1]
-            _, first = np.unique(rpos, return_index=True)
-            keep = len(pos) - 1 - first
-            pos, val = pos[keep], val[keep]
-        return pos, val
-
     def flush(self) -> int:
-        """Ship every pending delta (one H2D copy, two scatters); return the entries shipped."""
-        if not self._d_slot and not self._d_alive:
-            return 0
-        sp, sv = self._dedupe(self._d_slot) if self._d_slot else (np.zeros(0, np.int64), np.zeros(0, np.int32))
-        ap, av = self._dedupe(self._d_alive) if self._d_alive else (np.zeros(0, np.int64), np.zeros(0, np.int8))
-        self._d_slot, self._d_alive = [], []
-        k1, k2 = len(sp), len(ap)
-        packed = np.concatenate([sp, sv.astype(np.int64), ap, av.astype(np.int64)])
-        dev = self._to_device(packed)
-        if k1:
-            self.slots.index_copy_(0, dev[:k1], dev[k1 : 2 * k1].to(torch.int32))
-        if k2:
-            self.alive.index_copy_(0, dev[2 * k1 : 2 * k1 + k2], dev[2 * k1 + k2 :].to(torch.int8))
-        self.bytes_shipped += packed.nbytes
-        return k1 + k2
+        """Ship every pending delta to the mirror tensors; return the entries shipped."""
+        return self.deltas.flush(self.slots, self.alive)
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
-        """An int64 host array on the device: pinned staging + async H2D on GPU (no sync)."""
-        arr = np.ascontiguousarray(arr, dtype=np.int64)
-        if not self.is_gpu:
-            return torch.from_numpy(arr).to(self.device)
-        host = self._staging.acquire(len(arr))
-        host.numpy()[: len(arr)] = arr
-        dev = host[: len(arr)].to(self.device, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        self._staging.retire(host, ev)
-        return dev
+        return self.deltas.to_device(arr)
 
     # ---------------------------------------------------------------- layout
     def _reserve_arena(self, need: int) -> None:
