@@ -29,10 +29,11 @@ import zlib
 import pytest
 import torch
 
+from vtoken import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.layout import KVLayout, kv_cache_shape
-from vtoken.reference import token_attention as ref_mod
 from vtoken.reference.token_attention import token_attention as ref_attention
+from vtoken_kernels import contracts
 from vtoken_kernels import token_attention as tri_mod
 from vtoken_kernels.token_attention import token_attention as tri_attention
 
@@ -305,8 +306,6 @@ def test_out_scale_and_strided_q():
 
 
 def test_ops_dispatch(monkeypatch):
-    import vtoken.ops as ops
-
     gen, rng = torch.Generator().manual_seed(22), random.Random(22)
     cache, lay = make_cache("vllm_flash", 6, 16, 2, 64, torch.float32, gen)
     idx, ptr = make_lists([9, 40], lay.num_slots, pad_tail=3, rng=rng)
@@ -368,9 +367,11 @@ BAD_ARGS = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("case", BAD_ARGS, ids=[c[0] for c in BAD_ARGS])
-def test_bad_arguments_raise_typed_errors(case, impl):
+def test_bad_arguments_raise_typed_errors(case, backend, monkeypatch):
+    """vtoken.ops checks the contract once, before any backend runs."""
+    monkeypatch.setenv("VTOKEN_BACKEND", backend)
     _, overrides, err, match = case
     args = _valid_args()
     kwargs = {}
@@ -388,9 +389,8 @@ def test_bad_arguments_raise_typed_errors(case, impl):
     guard = torch.full((2, 4, 64), 7.0, dtype=torch.float16)
     if "out" not in kwargs:
         kwargs["out"] = guard
-    fn = tri_attention if impl == "triton" else ref_attention
     with pytest.raises(err, match=match):
-        fn(args["q"], args["kv_cache"], args["layout"], args["kv_indices"], args["kv_indptr"], **kwargs)
+        ops.token_attention(args["q"], args["kv_cache"], args["layout"], args["kv_indices"], args["kv_indptr"], **kwargs)
     assert torch.equal(guard, torch.full_like(guard, 7.0)), "a rejected call must not write out"
 
 
@@ -450,7 +450,7 @@ def _aot_specs():
         (False, torch.float16, 256, 2, False, True),
         (False, torch.float32, 64, 1, False, True),
     ]:
-        a = ref_mod.TokenAttentionArgs(
+        a = contracts.TokenAttentionArgs(
             num_reqs=4, num_q_tokens=4, num_q_heads=8 * group, num_kv_heads=8, head_dim=head_dim, group=group,
             nnz_max=64, scale=1.0, decode=decode,
         )

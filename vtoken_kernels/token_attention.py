@@ -3,7 +3,10 @@
 Every key/value row is read through ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``
 (request ``r``'s live slots, in logical order), so a dead token that still
 sits in a live block is never read. Semantics, shapes and the causal rule are
-those of :mod:`vtoken.reference.token_attention`.
+those of :mod:`vtoken.reference.token_attention`. The argument
+contract is :func:`vtoken_kernels.contracts.validate_token_attention_args`,
+checked once by :func:`vtoken.ops.token_attention`; the launcher takes
+validated arguments and does not check them again.
 
 Kernels (launched by :func:`token_attention`):
 
@@ -42,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vtoken.errors import InvalidArgumentError
-from vtoken.reference.token_attention import validate_token_attention_args
+from vtoken_kernels.contracts import token_attention_sizes
+from vtoken_kernels.errors import InvalidArgumentError
 
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 256
@@ -69,7 +72,7 @@ def token_attention(
         q: ``[num_q_tokens, num_q_heads, head_dim]`` fp16 / bf16 / fp32
             (last dim contiguous; other strides free).
         kv_cache: one layer's cache tensor, same dtype and device as ``q``.
-        layout: :class:`vtoken.layout.KVLayout` of ``kv_cache`` with ``num_kv == 2``.
+        layout: :class:`vtoken_kernels.layout.KVLayout` of ``kv_cache`` with ``num_kv == 2``.
         kv_indices: int32 ``[nnz_max]`` slots; PAD (-1) entries are skipped.
         kv_indptr: int32 ``[num_reqs + 1]``.
         q_indptr: int32 ``[num_reqs + 1]`` (varlen prefill) or ``None`` (decode,
@@ -87,15 +90,18 @@ def token_attention(
     Example::
 
         >>> import torch
-        >>> from vtoken.layout import KVLayout, kv_cache_shape
-        >>> cache = torch.randn(kv_cache_shape("vllm_flash", 8, 16, 2, 64), device="cuda", dtype=torch.float16)
+        >>> from vtoken_kernels.layout import KVLayout, kv_cache_shape
+        >>> dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU needs TRITON_INTERPRET=1
+        >>> cache = torch.randn(kv_cache_shape("vllm_flash", 8, 16, 2, 64), device=dev, dtype=torch.float16)
         >>> lay = KVLayout.from_tensor(cache, "vllm_flash")
-        >>> q = torch.randn(2, 8, 64, device="cuda", dtype=torch.float16)
-        >>> idx = torch.tensor([5, 9, 33, 34, 70, -1, -1], dtype=torch.int32, device="cuda")
-        >>> ptr = torch.tensor([0, 3, 5], dtype=torch.int32, device="cuda")
+        >>> q = torch.randn(2, 8, 64, device=dev, dtype=torch.float16)
+        >>> idx = torch.tensor([5, 9, 33, 34, 70, -1, -1], dtype=torch.int32, device=dev)
+        >>> ptr = torch.tensor([0, 3, 5], dtype=torch.int32, device=dev)
         >>> o, ks = token_attention(q, cache, lay, idx, ptr, return_key_scores=True)
+        >>> o.shape, ks.shape
+        (torch.Size([2, 8, 64]), torch.Size([7, 2]))
     """
-    a = validate_token_attention_args(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr, scale=scale, out=out)
+    a = token_attention_sizes(q, layout, kv_indices, kv_indptr, q_indptr, scale)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise InvalidArgumentError(f"num_splits: expected an int >= 1 or None, got {num_splits!r}")
     dev = q.device
