@@ -344,6 +344,34 @@ def test_structural_errors():
     assert_arena_equal(arena.snapshot(), before)
 
 
+# (layout name, cache name): same sizes, another dim order. With block_size 4, 3 heads and 2
+# (K, V) all different, the layout addresses exactly the cache's elements (bounds alone accept
+# it) in the wrong order. Dims of equal size that swap cannot be told apart from the tensor.
+LAYOUT_MISMATCHES = [("hnd", "nhd"), ("nhd", "hnd"), ("vllm_fused", "nhd"), ("vllm_flash", "hnd")]
+
+
+@pytest.mark.parametrize("layout_name,cache_name", LAYOUT_MISMATCHES, ids=[f"{a}-on-{b}" for a, b in LAYOUT_MISMATCHES])
+@pytest.mark.parametrize("backend", ["cuda", "triton", "torch"])
+def test_layout_of_another_dim_order_is_rejected(backend, layout_name, cache_name, monkeypatch):
+    if backend == "cuda" and not HAS_EXT:
+        pytest.skip("vtoken._C is not built")
+    from vtoken.layout import kv_cache_shape
+
+    monkeypatch.setenv("VTOKEN_BACKEND", backend)
+    arena, caches, right = build_caches(cache_name, torch.float16, 4, 4, 3, 8, 3)
+    wrong = KVLayout.from_tensor(torch.empty(kv_cache_shape(layout_name, 4, 4, 3, 8), dtype=torch.float16), layout_name)
+    assert wrong.num_slots == right.num_slots and contracts.layout_extent(wrong) == caches[0].numel()
+    src, dst = random_moves(wrong.num_slots, 6, 8)
+    before = arena.snapshot()
+    for validate in (True, False):
+        with pytest.raises(InvalidArgumentError, match=r"layout: expected a layout that addresses the cache tensor "
+                                                       r"of shape .* dim for dim, got KVLayout\(name='" + layout_name):
+            ops.compact_kv(caches, wrong, src, dst, validate=validate)
+    assert_arena_equal(arena.snapshot(), before)
+    ops.compact_kv(caches, right, src, dst)  # the cache's own layout passes the same check
+    assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, right, src, dst))
+
+
 # ----------------------------------------------------------------- the C++ op
 
 

@@ -338,6 +338,12 @@ def _mla_layout():
     return KVLayout.from_tensor(t, "mla")
 
 
+def _hnd_layout():
+    """An hnd layout of the same sizes as _valid_args's nhd cache: same elements, another order."""
+    t = torch.zeros(kv_cache_shape("hnd", 4, 16, 2, 64), dtype=torch.float16)
+    return KVLayout.from_tensor(t, "hnd")
+
+
 BAD_ARGS = [
     # (id, overrides, error type, message regex)
     ("q-not-tensor", dict(q=[[1.0]]), InvalidTypeError, "q: expected a torch.Tensor"),
@@ -350,6 +356,8 @@ BAD_ARGS = [
     ("cache-small", dict(kv_cache="small"), InvalidArgumentError, "kv_cache: expected a tensor spanning"),
     ("layout-type", dict(layout="nhd"), InvalidTypeError, "layout: expected a vtoken.layout.KVLayout"),
     ("layout-mla", dict(layout="mla"), InvalidArgumentError, "layout: expected num_kv == 2"),
+    ("layout-hnd-on-nhd", dict(layout="hnd"), InvalidArgumentError,
+     "layout: expected a layout that addresses the cache tensor of shape .* dim for dim"),
     ("indices-int64", dict(kv_indices=torch.tensor([1, 2, 3, 4], dtype=torch.int64)), InvalidTypeError, "kv_indices: expected dtype"),
     ("indptr-2d", dict(kv_indptr=torch.zeros(1, 3, dtype=torch.int32)), InvalidTypeError, "kv_indptr: expected 1 dims"),
     ("indptr-empty", dict(kv_indptr=torch.zeros(0, dtype=torch.int32)), InvalidTypeError, "kv_indptr: expected num_reqs"),
@@ -382,6 +390,8 @@ def test_bad_arguments_raise_typed_errors(case, backend, monkeypatch):
             v = args["kv_cache"][:2]
         elif k == "layout" and v == "mla":
             v = _mla_layout()
+        elif k == "layout" and v == "hnd":
+            v = _hnd_layout()
         if k in ("q_indptr", "scale", "out"):
             kwargs[k] = v
         else:

@@ -10,6 +10,7 @@ and never while a CUDA graph is being captured.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -48,6 +49,67 @@ def check_slots_alive(slots, alive) -> torch.device:
     if alive.numel() != slots.numel():
         raise InvalidTypeError(f"alive: expected shape ({slots.numel()},) like slots, got {tuple(alive.shape)}")
     return device
+
+
+def layout_extent(layout: KVLayout) -> int:
+    """One past the farthest element (from the tensor's start) that ``layout`` addresses."""
+    return 1 + (
+        (layout.num_blocks - 1) * layout.stride_block
+        + (layout.block_size - 1) * layout.stride_offset
+        + (layout.num_kv - 1) * layout.stride_kv
+        + (layout.num_heads - 1) * layout.stride_head
+        + layout.head_dim
+        - 1
+    )
+
+
+def check_layout_matches(layout: KVLayout, t: torch.Tensor) -> None:
+    """Raise naming ``layout`` unless it describes the dims of the cache tensor ``t``.
+
+    Every dim of ``t`` (of size > 1) must be one dim of the layout, same size
+    and stride, or adjacent layout dims merged (``vllm_fused``'s last dim
+    ``(2*D, stride 1)`` is kv ``(2, D)`` and dim ``(D, 1)``), and every layout
+    dim must be used. NOTE: bounds alone are not enough: an ``hnd`` layout on
+    an ``nhd`` cache of the same size addresses exactly the cache's elements,
+    in another order, so kernels would read and move the wrong rows. Two dims
+    of equal size (e.g. ``block_size == num_heads``) that swap roles leave the
+    shape and strides unchanged: no tensor metadata can tell those apart.
+    """
+    strides = (layout.stride_block, layout.stride_offset, layout.stride_kv, layout.stride_head)
+    if min(strides) < 0:
+        raise InvalidArgumentError(f"layout: expected non-negative strides, got {strides}")
+    if not _layout_dims_match(layout, tuple(t.shape), tuple(t.stride())):
+        raise InvalidArgumentError(
+            f"layout: expected a layout that addresses the cache tensor of shape {tuple(t.shape)} "
+            f"strides {tuple(t.stride())} dim for dim, got {layout}"
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_dims_match(layout: KVLayout, shape: tuple, strides: tuple) -> bool:
+    # Cached: checked on every call of the decode and reclamation hot paths.
+    def dims(pairs):  # size > 1 only, innermost (smallest stride) first
+        return sorted(((n, s) for n, s in pairs if n > 1), key=lambda d: (d[1], d[0]))
+
+    lay = dims([
+        (layout.num_blocks, layout.stride_block),
+        (layout.block_size, layout.stride_offset),
+        (layout.num_kv, layout.stride_kv),
+        (layout.num_heads, layout.stride_head),
+        (layout.head_dim, 1),
+    ])
+    j = 0
+    for n, s in dims(zip(shape, strides)):
+        if j == len(lay) or lay[j][1] != s:
+            return False
+        size = lay[j][0]
+        j += 1
+        while size < n and j < len(lay) and lay[j][1] == s * size:
+            size *= lay[j][0]
+            j += 1
+        if size != n:
+            return False
+    return j == len(lay)
 
 
 # --- compact_kv -----------------------------------------------------------------
@@ -133,7 +195,8 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 def check_compact_kv_args(kv_caches, layout, src_slots, dst_slots, *, validate=None) -> None:
     """Validate a ``compact_kv`` call; raise before any cache is touched.
 
-    Structural checks (types, dtypes, shapes, devices, layout fit) always run; the slot contract (section comment above) runs when
+    Structural checks (types, dtypes, shapes, devices, layout against the
+    tensors) always run; the slot contract (section comment above) runs when
     ``validate`` is True, or ``None`` with ``VTOKEN_DEBUG_INVARIANTS=1``.
     """
     device = cache_device(kv_caches)
@@ -160,7 +223,9 @@ def check_compact_kv_args(kv_caches, layout, src_slots, dst_slots, *, validate=N
             )
     if t0.dim() == 0 or strides[-1] != 1:
         raise InvalidArgumentError(f"kv_caches[0]: expected a contiguous last dim (stride 1), got strides {strides}")
-    _check_layout_fits(layout, t0)
+    if layout.num_slots > 2**31:
+        raise InvalidArgumentError(f"layout: expected num_blocks * block_size <= 2^31 (int32 slots), got {layout.num_slots}")
+    check_layout_matches(layout, t0)
     for name, s in (("src_slots", src_slots), ("dst_slots", dst_slots)):
         check_tensor(name, s, dtype=torch.int32, ndim=1, device=device)
     if src_slots.numel() != dst_slots.numel():
@@ -171,29 +236,6 @@ def check_compact_kv_args(kv_caches, layout, src_slots, dst_slots, *, validate=N
         validate = debug_checks_enabled()
     if validate:
         check_slot_contract(layout, src_slots, dst_slots)
-
-
-def _check_layout_fits(layout: KVLayout, t: torch.Tensor) -> None:
-    strides = (layout.stride_block, layout.stride_offset, layout.stride_kv, layout.stride_head)
-    if min(strides) < 0:
-        raise InvalidArgumentError(f"layout: expected non-negative strides, got {strides}")
-    if layout.num_slots > 2**31:
-        raise InvalidArgumentError(f"layout: expected num_blocks * block_size <= 2^31 (int32 slots), got {layout.num_slots}")
-    numel = layout.num_slots * layout.rows_per_token * layout.head_dim
-    last = (
-        (layout.num_blocks - 1) * layout.stride_block
-        + (layout.block_size - 1) * layout.stride_offset
-        + (layout.num_kv - 1) * layout.stride_kv
-        + (layout.num_heads - 1) * layout.stride_head
-        + layout.head_dim
-        - 1
-    )
-    tensor_last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    if t.numel() != numel or last > tensor_last:
-        raise InvalidArgumentError(
-            f"layout: expected a layout that addresses the cache tensor of shape {tuple(t.shape)} "
-            f"strides {t.stride()}, got {layout}"
-        )
 
 
 def check_slot_contract(layout: KVLayout, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
@@ -301,19 +343,13 @@ def validate_token_attention_args(
         raise InvalidArgumentError("kv_cache: expected a contiguous last dim (stride 1)")
     # The farthest element the layout can address must lie inside kv_cache.
     span = 1 + sum((s - 1) * st for s, st in zip(kv_cache.shape, kv_cache.stride()))
-    far = (
-        (layout.num_blocks - 1) * layout.stride_block
-        + (layout.block_size - 1) * layout.stride_offset
-        + (layout.num_kv - 1) * layout.stride_kv
-        + (layout.num_heads - 1) * layout.stride_head
-        + layout.head_dim
-        - 1
-    )
+    far = layout_extent(layout) - 1
     if kv_cache.numel() == 0 or far >= span:
         raise InvalidArgumentError(
             f"kv_cache: expected a tensor spanning layout {layout.name!r} ({far + 1} elements), "
             f"got shape {tuple(kv_cache.shape)} strides {tuple(kv_cache.stride())}"
         )
+    check_layout_matches(layout, kv_cache)
     num_kv_heads = layout.num_heads
     if num_q_heads % num_kv_heads != 0:
         raise InvalidArgumentError(

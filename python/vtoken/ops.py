@@ -140,7 +140,8 @@ def compact_kv(kv_caches, layout, src_slots, dst_slots, *, validate=None) -> Non
 
     Backends: ``torch.ops.vtoken.compact_kv`` (CUDA kernel, or the C++ kernel
     on CPU tensors) > Triton > :mod:`vtoken.reference.compact_kv`. Contract:
-    :func:`vtoken_kernels.contracts.check_compact_kv_args`.
+    :func:`vtoken_kernels.contracts.check_compact_kv_args` (the layout is
+    checked against the caches' shape and strides, dim for dim).
     """
     contracts.check_compact_kv_args(kv_caches, layout, src_slots, dst_slots, validate=validate)
     backend = select_backend("compact_kv", kv_caches[0].device)
