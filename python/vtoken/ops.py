@@ -75,8 +75,8 @@ def token_attention(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr=None, *
     [nnz_max]`` / ``kv_indptr [num_reqs+1]`` (PAD past ``kv_indptr[-1]``); int32
     ``q_indptr [num_reqs+1]`` or ``None`` (one query per request). Returns ``out``
     (dtype of ``q``) or ``(out, key_scores)`` with float32 ``key_scores [nnz_max,
-    num_kv_heads]``. Full semantics: :mod:`vtoken.reference.token_attention`.
-    Contract:
+    num_kv_heads]``. Full semantics, NaN propagation included:
+    :mod:`vtoken.reference.token_attention`. Contract:
     :func:`vtoken_kernels.contracts.validate_token_attention_args`.
     Backends: Triton, else the torch reference (no CUDA C++ implementation).
     """

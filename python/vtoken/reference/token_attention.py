@@ -23,6 +23,19 @@ per-dtype tolerance stated in ``tests/test_token_attention.py``):
   of kv head ``g``'s group of the softmax probability given to key ``j``. Rows
   that belong to no request are 0. H2O / TOVA-style policies accumulate it.
 
+Non-finite inputs (NaN propagation; every backend does the same, so a NaN is
+never turned into a finite result):
+
+* Output row ``(i, h)`` (query ``i``, query head ``h``, kv head
+  ``g = h // group``) is NaN in every element when ``q[i, h]`` holds a NaN,
+  when a key it attends (listed, not PAD, allowed by the causal rule) holds a
+  NaN in its K row of kv head ``g``, or a NaN or +-Inf in its V row of kv head
+  ``g``. Rows that do not attend that key are unaffected.
+* A NaN score (from ``q`` or K) makes ``key_scores[j, g]`` NaN for every key
+  ``j`` the row attends. V never enters the key scores.
+* A query row with no attendable key outputs zeros whatever ``q`` holds (it
+  reads nothing). +-Inf in ``q`` or K go through the scores by IEEE rules.
+
 Arguments are checked once, by
 :func:`vtoken_kernels.contracts.validate_token_attention_args`, at the op
 boundary (:func:`vtoken.ops.token_attention`); this reference does not check
@@ -114,12 +127,22 @@ def token_attention(
         j = torch.arange(n_live, device=q.device)[None, :]
         allowed = (j <= n_live - n_new + i) & valid[None, :]  # [n_new, n_live]
         s = s.masked_fill(~allowed, float("-inf"))
+        # A row with no attendable key has max -inf: shift by 0 so it gets p = 0. A NaN max stays
+        # NaN, so a NaN score makes the whole row NaN (module docstring).
         row_max = s.amax(dim=-1, keepdim=True)
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
         e = torch.exp(s - row_max)
         denom = e.sum(dim=-1, keepdim=True)
-        p = torch.where(denom > 0, e / torch.where(denom > 0, denom, 1), torch.zeros_like(e))
-        result[q0:q1] = torch.einsum("kgij,jkd->ikgd", p, v).reshape(n_new, a.num_q_heads, -1)
+        p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
+        p = torch.where(allowed, p, torch.zeros_like(p))  # a NaN row still gives its unattended keys 0
+        # NOTE: 0 * NaN = NaN would carry a non-finite V into rows that do not attend its key:
+        # zero those elements for P @ V, then set the rows that do attend the key to NaN.
+        v_finite = torch.isfinite(v)
+        bad_key = ~v_finite.all(dim=-1)  # [n_live, Hkv]
+        o = torch.einsum("kgij,jkd->ikgd", p, torch.where(v_finite, v, 0))  # [n_new, Hkv, G, D]
+        reads_bad_v = (allowed[:, :, None] & bad_key[None, :, :]).any(dim=1)  # [n_new, Hkv]
+        o = torch.where(reads_bad_v[:, :, None, None], float("nan"), o)
+        result[q0:q1] = o.reshape(n_new, a.num_q_heads, -1)
         # Sum over the group's query heads and the request's queries, per kv head.
         scores[k0:k1] = p.sum(dim=(1, 2)).T
     if compute_dtype == torch.float64:
