@@ -88,15 +88,13 @@ def backends(device):
                     lambda c: torch.ops.vtoken.block_live_counts(c.slots, c.alive, c.allocated, c.num_blocks,
                                                                  c.block_size)))
     if device.type == "cuda":
-        out.append(("triton", lambda c: tk.block_live_counts(c.slots, c.alive, c.num_blocks, c.block_size, c.allocated,
-                                                              content_checks=False)))
-    out.append(("torch_ref", lambda c: ref.block_live_counts(c.slots, c.alive, c.num_blocks, c.block_size, c.allocated,
-                                                              content_checks=False)))
+        out.append(("triton", lambda c: tk.block_live_counts(c.slots, c.alive, c.num_blocks, c.block_size, c.allocated)))
+    out.append(("torch_ref", lambda c: ref.block_live_counts(c.slots, c.alive, c.num_blocks, c.block_size, c.allocated)))
     return out
 
 
 def check(c: Case, fn) -> None:
-    want = ref.block_live_counts(c.slots, c.alive, c.num_blocks, c.block_size, c.allocated, content_checks=False)
+    want = ref.block_live_counts(c.slots, c.alive, c.num_blocks, c.block_size, c.allocated)
     got = fn(c)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "backend disagrees with the reference"
 
@@ -133,8 +131,7 @@ def main() -> None:
         cases = [Case(20_000, 2_000, 0.5, device), Case(100_000, 20_000, 0.9, device),
                  Case(50_000, 100, 0.5, device, block_size=1024)]
         small = Case(5000, 700, 0.5, device, seed=1)
-        check(small, lambda c: tk.block_live_counts(c.slots, c.alive, c.num_blocks, c.block_size, c.allocated,
-                                                     content_checks=False))
+        check(small, lambda c: tk.block_live_counts(c.slots, c.alive, c.num_blocks, c.block_size, c.allocated))
         print("triton (interpreter) matches the torch reference on", small.name())
     else:
         cases = [

@@ -52,6 +52,7 @@ import torch  # noqa: E402
 from vtoken import ops  # noqa: E402
 from vtoken.layout import KVLayout, kv_cache_shape  # noqa: E402
 from vtoken.reference import compact_kv as ref  # noqa: E402
+from vtoken_kernels import contracts  # noqa: E402
 from vtoken_kernels.compact_kv import compact_kv as triton_compact_kv  # noqa: E402
 
 MiB = 1 << 20
@@ -69,7 +70,7 @@ def make_case(layout_name, dtype, num_layers, num_heads, head_dim, num_moves, de
     caches = []
     for _ in range(num_layers):
         t = torch.empty(shape, dtype=storage, device=device)
-        ref.int_view(t).random_(0, 100)
+        contracts.int_view(t).random_(0, 100)
         caches.append(t)
     layout = KVLayout.from_tensor(caches[0], layout_name)
     rng = random.Random(seed)
@@ -85,7 +86,7 @@ def token_views(caches, layout):
     """``[num_blocks, block_size, num_kv, H, D]`` int views of every layer (as the reference)."""
     size = (layout.num_blocks, layout.block_size, layout.num_kv, layout.num_heads, layout.head_dim)
     stride = (layout.stride_block, layout.stride_offset, layout.stride_kv, layout.stride_head, 1)
-    return [ref.int_view(t).as_strided(size, stride, ref.int_view(t).storage_offset()) for t in caches]
+    return [contracts.int_view(t).as_strided(size, stride, contracts.int_view(t).storage_offset()) for t in caches]
 
 
 def gather_scatter_fn(caches, layout, src, dst):
@@ -144,13 +145,13 @@ def bench_gpu(copy_gbs):
         esize = caches[0].element_size()
         moved = num_moves * num_layers * layout.rows_per_token * layout.head_dim * esize
         nbytes = 2 * moved
-        args = ref.layout_op_args(layout)
+        args = contracts.layout_op_args(layout)
         times = {}
         if ops.has_extension_op("compact_kv"):
             cuda_fn = lambda: torch.ops.vtoken.compact_kv(caches, src, dst, *args)  # noqa: E731
             times["cuda_ext"] = time_fn(cuda_fn)["median_us"]
             times["cuda_ext_graph"] = time_graph_or_none(cuda_fn)
-        tri_fn = lambda: triton_compact_kv(caches, layout, src, dst, validate=False)  # noqa: E731
+        tri_fn = lambda: triton_compact_kv(caches, layout, src, dst)  # noqa: E731
         times["triton"] = time_fn(tri_fn)["median_us"]
         times["triton_graph"] = time_graph_or_none(tri_fn)
         gs_fn = gather_scatter_fn(caches, layout, src, dst)
@@ -193,9 +194,9 @@ def bench_cpu(quick):
         moved = num_moves * num_layers * layout.rows_per_token * layout.head_dim * esize
         times = {}
         if ops.has_extension_op("compact_kv"):
-            args = ref.layout_op_args(layout)
+            args = contracts.layout_op_args(layout)
             times["cpp_cpu_op"] = time_fn(lambda: torch.ops.vtoken.compact_kv(caches, src, dst, *args))["median_us"]
-        times["torch_reference"] = time_fn(lambda: ref.compact_kv(caches, layout, src, dst, validate=False))["median_us"]
+        times["torch_reference"] = time_fn(lambda: ref.compact_kv(caches, layout, src, dst))["median_us"]
         times["gather_scatter"] = time_fn(gather_scatter_fn(caches, layout, src, dst))["median_us"]
         times["index_copy_loop"] = time_fn(index_copy_loop_fn(caches, layout, src, dst), warmup=1, rep=5)["median_us"]
         for method, us in times.items():
@@ -216,7 +217,7 @@ def bench_cpu(quick):
     expected = [t.clone() for t in caches]
     ref.compact_kv(expected, layout, src, dst)
     triton_compact_kv(caches, layout, src, dst)
-    triton_ok = all(torch.equal(ref.int_view(a), ref.int_view(b)) for a, b in zip(caches, expected))
+    triton_ok = all(torch.equal(contracts.int_view(a), contracts.int_view(b)) for a, b in zip(caches, expected))
     return rows, triton_ok
 
 

@@ -26,6 +26,7 @@ from vtoken import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.layout import KVLayout
 from vtoken.reference import compact_kv as ref
+from vtoken_kernels import contracts
 
 HAS_EXT = ops.extension_loaded() and hasattr(torch.ops.vtoken, "compact_kv")
 needs_ext = pytest.mark.skipif(not HAS_EXT, reason="vtoken._C is not built")
@@ -157,17 +158,17 @@ def oracle(before: np.ndarray, arena: Arena, caches, layout: KVLayout, src, dst)
 
 
 def run_backend(backend, caches, layout, src, dst, validate=None):
+    """The contract once (as vtoken.ops does), then the backend itself."""
+    contracts.check_compact_kv_args(caches, layout, src, dst, validate=validate)
     if backend == "torch":
-        ref.compact_kv(caches, layout, src, dst, validate=validate)
+        ref.compact_kv(caches, layout, src, dst)
     elif backend == "triton":
         from vtoken_kernels.compact_kv import compact_kv
 
-        compact_kv(caches, layout, src, dst, validate=validate)
+        compact_kv(caches, layout, src, dst)
     elif backend in ("cpp", "cuda_emulated"):
-        if validate:
-            ref.check_slot_contract(layout, src, dst)
         op = torch.ops.vtoken.compact_kv if backend == "cpp" else torch.ops.vtoken._compact_kv_cuda_emulated
-        op(caches, src, dst, *ref.layout_op_args(layout))
+        op(caches, src, dst, *contracts.layout_op_args(layout))
     else:
         raise AssertionError(backend)
 
@@ -219,7 +220,7 @@ def test_nan_payloads_copied_bit_exactly(backend):
     """fp16 / fp32 NaNs with distinct payloads survive (no float round trip)."""
     for dtype, nan_bits in ((torch.float16, [0x7C01, 0xFE77, 0x7D55]), (torch.float32, [0x7F800001, 0xFFC12345])):
         arena, caches, layout = build_caches("hnd", dtype, 3, 4, 1, len(nan_bits), 1)
-        ints = ref.int_view(caches[0])
+        ints = contracts.int_view(caches[0])
         ints[0, 0, 0, 1] = torch.tensor(nan_bits, dtype=torch.int64).to(ints.dtype)  # slot 1 K row
         run_backend(backend, caches, layout, torch.tensor([1], dtype=torch.int32), torch.tensor([9], dtype=torch.int32))
         assert torch.equal(ints[2, 0, 0, 1], ints[0, 0, 0, 1])  # slot 9 = block 2, offset 1
@@ -240,15 +241,15 @@ def test_ops_dispatch_every_backend(backend, monkeypatch):
 def test_token_rows_merges_contiguous_dims():
     """(rows, n_inner, stride_outer, stride_inner, row_len) per layout (nb=4, bs=16, H=2, D=8)."""
     _, caches, layout = build_caches("nhd", torch.float16, 4, 16, 2, 8, 1)
-    assert ref.token_rows(layout) == (2, 2, 0, 16 * 2 * 8, 2 * 8)  # K, V rows of H*D
+    assert contracts.token_rows(layout) == (2, 2, 0, 16 * 2 * 8, 2 * 8)  # K, V rows of H*D
     _, caches, layout = build_caches("vllm_fused", torch.float16, 4, 16, 2, 8, 1)
-    assert ref.token_rows(layout) == (2, 2, 0, 16 * 2 * 8, 2 * 8)  # one row of 2*D per head
+    assert contracts.token_rows(layout) == (2, 2, 0, 16 * 2 * 8, 2 * 8)  # one row of 2*D per head
     _, caches, layout = build_caches("hnd", torch.float16, 4, 16, 2, 8, 1)
-    assert ref.token_rows(layout) == (4, 4, 0, 16 * 8, 8)  # kv and head fold into one dim
+    assert contracts.token_rows(layout) == (4, 4, 0, 16 * 8, 8)  # kv and head fold into one dim
     _, caches, layout = build_caches("mla", torch.float16, 4, 16, 2, 8, 1)
-    assert ref.token_rows(layout) == (1, 1, 0, 0, 8)
+    assert contracts.token_rows(layout) == (1, 1, 0, 0, 8)
     _, caches, layout = build_caches("nhd_padded", torch.float16, 4, 16, 2, 8, 1)
-    assert ref.token_rows(layout) == (4, 2, 16 * 2 * 11, 11, 8)  # two dims, no merge
+    assert contracts.token_rows(layout) == (4, 2, 16 * 2 * 11, 11, 8)  # two dims, no merge
 
 
 def test_vllm_032_flash_attention_layout_is_vllm_fused():
@@ -343,6 +344,34 @@ def test_structural_errors():
     assert_arena_equal(arena.snapshot(), before)
 
 
+# (layout name, cache name): same sizes, another dim order. With block_size 4, 3 heads and 2
+# (K, V) all different, the layout addresses exactly the cache's elements (bounds alone accept
+# it) in the wrong order. Dims of equal size that swap cannot be told apart from the tensor.
+LAYOUT_MISMATCHES = [("hnd", "nhd"), ("nhd", "hnd"), ("vllm_fused", "nhd"), ("vllm_flash", "hnd")]
+
+
+@pytest.mark.parametrize("layout_name,cache_name", LAYOUT_MISMATCHES, ids=[f"{a}-on-{b}" for a, b in LAYOUT_MISMATCHES])
+@pytest.mark.parametrize("backend", ["cuda", "triton", "torch"])
+def test_layout_of_another_dim_order_is_rejected(backend, layout_name, cache_name, monkeypatch):
+    if backend == "cuda" and not HAS_EXT:
+        pytest.skip("vtoken._C is not built")
+    from vtoken.layout import kv_cache_shape
+
+    monkeypatch.setenv("VTOKEN_BACKEND", backend)
+    arena, caches, right = build_caches(cache_name, torch.float16, 4, 4, 3, 8, 3)
+    wrong = KVLayout.from_tensor(torch.empty(kv_cache_shape(layout_name, 4, 4, 3, 8), dtype=torch.float16), layout_name)
+    assert wrong.num_slots == right.num_slots and contracts.layout_extent(wrong) == caches[0].numel()
+    src, dst = random_moves(wrong.num_slots, 6, 8)
+    before = arena.snapshot()
+    for validate in (True, False):
+        with pytest.raises(InvalidArgumentError, match=r"layout: expected a layout that addresses the cache tensor "
+                                                       r"of shape .* dim for dim, got KVLayout\(name='" + layout_name):
+            ops.compact_kv(caches, wrong, src, dst, validate=validate)
+    assert_arena_equal(arena.snapshot(), before)
+    ops.compact_kv(caches, right, src, dst)  # the cache's own layout passes the same check
+    assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, right, src, dst))
+
+
 # ----------------------------------------------------------------- the C++ op
 
 
@@ -357,7 +386,7 @@ def test_extension_registers_op():
 @needs_ext
 def test_cpp_op_rejects_bad_arguments():
     arena, caches, layout = build_caches("nhd", torch.float16, 4, 4, 2, 8, 2)
-    args = ref.layout_op_args(layout)
+    args = contracts.layout_op_args(layout)
     before = arena.snapshot()
     i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     with pytest.raises(RuntimeError, match=r"src_slots: expected dtype int32, got Long"):
@@ -389,7 +418,9 @@ def test_cuda_access_width(variant, dtype, head_dim, misalign, vec_bytes):
     """The CUDA kernel uses the widest access that every row start allows."""
     _, caches, layout = build_caches(variant, dtype, 4, 16, 2, head_dim, 2, misalign=misalign)
     src, dst = random_moves(layout.num_slots, 5, 0)
-    width, threads, blocks = torch.ops.vtoken._compact_kv_cuda_config(caches, src, dst, *ref.layout_op_args(layout))
+    width, threads, blocks = torch.ops.vtoken._compact_kv_cuda_config(
+        caches, src, dst, *contracts.layout_op_args(layout)
+    )
     assert width == vec_bytes
     assert threads % 32 == 0 and 32 <= threads <= 256
     vectors = 2 * layout.rows_per_token * layout.head_dim * caches[0].element_size() // width
@@ -402,7 +433,7 @@ def test_cuda_emulated_more_layers_than_one_launch_holds():
     arena, caches, layout = build_caches("mla", torch.bfloat16, 6, 4, 1, 8, 300, seed=4)
     src, dst = random_moves(layout.num_slots, 7, 4)
     before = arena.snapshot()
-    torch.ops.vtoken._compact_kv_cuda_emulated(caches, src, dst, *ref.layout_op_args(layout))
+    torch.ops.vtoken._compact_kv_cuda_emulated(caches, src, dst, *contracts.layout_op_args(layout))
     assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, layout, src, dst))
 
 
@@ -411,7 +442,7 @@ def test_cuda_emulated_more_layers_than_one_launch_holds():
 def test_opcheck(variant, dtype):
     _, caches, layout = build_caches(variant, dtype, 5, 4, 2, 8, 3)
     src, dst = random_moves(layout.num_slots, 6, 11)
-    torch.library.opcheck(torch.ops.vtoken.compact_kv.default, (caches, src, dst, *ref.layout_op_args(layout)))
+    torch.library.opcheck(torch.ops.vtoken.compact_kv.default, (caches, src, dst, *contracts.layout_op_args(layout)))
 
 
 @needs_ext
@@ -419,9 +450,9 @@ def test_meta_kernel_accepts_meta_tensors():
     caches = [torch.empty(4, 2, 4, 2, 8, dtype=torch.float16, device="meta") for _ in range(2)]
     slots = torch.empty(3, dtype=torch.int32, device="meta")
     layout = KVLayout.from_tensor(caches[0], "nhd")
-    assert torch.ops.vtoken.compact_kv(caches, slots, slots, *ref.layout_op_args(layout)) is None
+    assert torch.ops.vtoken.compact_kv(caches, slots, slots, *contracts.layout_op_args(layout)) is None
     with pytest.raises(RuntimeError, match=r"src_slots: expected dtype int32"):
-        torch.ops.vtoken.compact_kv(caches, slots.long(), slots, *ref.layout_op_args(layout))
+        torch.ops.vtoken.compact_kv(caches, slots.long(), slots, *contracts.layout_op_args(layout))
 
 
 # ----------------------------------------------------------------- Triton AOT
@@ -498,12 +529,13 @@ def test_gpu_cuda_and_triton_match_reference(variant, dtype, misalign):
             continue
         arena, caches, layout = build_caches(variant, dtype, 64, 16, 4, 128, 5, device="cuda", seed=3, misalign=misalign)
         src, dst = random_moves(layout.num_slots, 300, 3, device="cuda")
+        contracts.check_compact_kv_args(caches, layout, src, dst, validate=True)
         if backend == "torch":
-            ref.compact_kv(caches, layout, src, dst, validate=True)
+            ref.compact_kv(caches, layout, src, dst)
         elif backend == "triton":
-            triton_compact_kv(caches, layout, src, dst, validate=True)
+            triton_compact_kv(caches, layout, src, dst)
         else:
-            torch.ops.vtoken.compact_kv(caches, src, dst, *ref.layout_op_args(layout))
+            torch.ops.vtoken.compact_kv(caches, src, dst, *contracts.layout_op_args(layout))
         torch.cuda.synchronize()
         results[backend] = arena.snapshot()
     for backend, got in results.items():
@@ -517,7 +549,7 @@ def test_gpu_more_layers_than_one_launch_holds():
     arena, caches, layout = build_caches("mla", torch.bfloat16, 8, 4, 1, 64, 300, device="cuda", seed=4)
     src, dst = random_moves(layout.num_slots, 10, 4, device="cuda")
     before = arena.snapshot()
-    torch.ops.vtoken.compact_kv(caches, src, dst, *ref.layout_op_args(layout))
+    torch.ops.vtoken.compact_kv(caches, src, dst, *contracts.layout_op_args(layout))
     torch.cuda.synchronize()
     assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, layout, src.cpu(), dst.cpu()))
 

@@ -29,10 +29,11 @@ import zlib
 import pytest
 import torch
 
+from vtoken import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.layout import KVLayout, kv_cache_shape
-from vtoken.reference import token_attention as ref_mod
 from vtoken.reference.token_attention import token_attention as ref_attention
+from vtoken_kernels import contracts
 from vtoken_kernels import token_attention as tri_mod
 from vtoken_kernels.token_attention import token_attention as tri_attention
 
@@ -283,6 +284,88 @@ def test_dead_tokens_never_influence_the_output(mode, poison):
     assert torch.isfinite(ref_dirty).all()
 
 
+# ---------------------------------------------------------------- non-finite inputs
+# The NaN contract of the reference's module docstring, written out as an independent oracle of
+# WHICH rows and key scores are NaN; every backend must produce exactly that mask, and agree
+# with the float64 oracle everywhere else.
+
+NONFINITE = ["q", "k", "v_nan", "v_inf"]
+NF_GROUP, NF_KV_HEADS, NF_DIM = 2, 2, 32
+NF_LENS = [12, 20, 0]  # listed keys per request; the last request has none
+NF_KEY = 15  # list position (in request 1) of the poisoned key
+NF_HEAD = 1  # poisoned kv head (query heads 2 and 3)
+
+
+def _nonfinite_case(mode, where, dtype):
+    """(q, cache, layout, kv_indices, kv_indptr, q_indptr, n_new) with one poisoned value."""
+    gen, rng = torch.Generator().manual_seed(41), random.Random(41)
+    cache, lay = make_cache("nhd", 8, 16, NF_KV_HEADS, NF_DIM, dtype, gen)
+    n_new = [1, 1, 1] if mode == "decode" else [4, 6, 0]
+    idx, ptr = make_lists(NF_LENS, lay.num_slots, pad_tail=3, rng=rng)
+    q_indptr = None if mode == "decode" else torch.tensor([0, 4, 10, 10], dtype=torch.int32)
+    q = torch.randn(sum(n_new), NF_KV_HEADS * NF_GROUP, NF_DIM, generator=gen).to(dtype)
+    if where == "q":
+        q[sum(n_new[:2]) - 1, NF_HEAD * NF_GROUP + 1, 5] = float("nan")  # request 1's last query
+        if mode == "decode":
+            q[2, 0, 0] = float("nan")  # request 2 attends nothing: zeros whatever q holds
+    else:
+        slot = int(idx[NF_LENS[0] + NF_KEY])
+        kv, value = {"k": (0, float("nan")), "v_nan": (1, float("nan")), "v_inf": (1, float("inf"))}[where]
+        slot_rows(cache, lay)[slot // 16, slot % 16, kv, NF_HEAD, 3] = value
+    return q, cache, lay, idx, ptr, q_indptr, n_new
+
+
+def _nonfinite_oracle(where, n_new, num_q_heads, nnz_max):
+    """Boolean masks (out rows [num_q, Hq], key scores [nnz_max, Hkv]) that must be NaN."""
+    out = torch.zeros(sum(n_new), num_q_heads, dtype=torch.bool)
+    ks = torch.zeros(nnz_max, NF_KV_HEADS, dtype=torch.bool)
+    for r, n_live in enumerate(NF_LENS):
+        q0, k0 = sum(n_new[:r]), sum(NF_LENS[:r])
+        for i in range(n_new[r]):
+            attended = range(k0, k0 + max(0, min(n_live, n_live - n_new[r] + i + 1)))
+            for h in range(num_q_heads):
+                g = h // NF_GROUP
+                key_in = g == NF_HEAD and r == 1 and k0 + NF_KEY in attended
+                bad_score = (where == "q" and (q0 + i, h) == (sum(n_new[:2]) - 1, NF_HEAD * NF_GROUP + 1)) or (
+                    where == "k" and key_in
+                )
+                if len(attended) and (bad_score or (where.startswith("v") and key_in)):
+                    out[q0 + i, h] = True
+                if len(attended) and bad_score:
+                    ks[list(attended), g] = True
+    return out, ks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("where", NONFINITE)
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_nonfinite_inputs_propagate_the_same_in_every_backend(mode, where, dtype, monkeypatch):
+    """A NaN in q, or a NaN in K / non-finite V of an attended key, makes exactly the rows that read it NaN."""
+    q, cache, lay, idx, ptr, q_indptr, n_new = _nonfinite_case(mode, where, dtype)
+    want_out, want_ks = _nonfinite_oracle(where, n_new, q.shape[1], idx.numel())
+    assert want_out.any() and not want_out.all()  # the case poisons some rows, not all
+    results = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("VTOKEN_BACKEND", backend)
+        results[backend] = ops.token_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True)
+    if mode == "decode":  # flash-decoding: the poisoned key lands in one of three splits
+        results["triton-split"] = tri_attention(q, cache, lay, idx, ptr, return_key_scores=True, num_splits=3)
+    oracle, oracle_ks = ref_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True,
+                                      compute_dtype=torch.float64)
+    results["oracle"] = (oracle, oracle_ks)
+    vmax = float(torch.nan_to_num(slot_rows(cache, lay)[..., 1, :, :].float(), nan=0, posinf=0).abs().max())
+    for name, (out, ks) in results.items():
+        assert torch.equal(torch.isnan(out), want_out[:, :, None].expand_as(out)), name
+        assert torch.equal(torch.isnan(ks), want_ks), name
+        if name != "oracle":
+            ok = ~want_out
+            assert_close_to_oracle(out[ok], oracle[ok], dtype, vmax)
+            assert_scores_close(ks[~want_ks], oracle_ks[~want_ks], mass=NF_GROUP * max(n_new))
+    if where == "q" and mode == "decode":
+        for out, _ in results.values():
+            assert torch.equal(out[2], torch.zeros_like(out[2])), "a row that attends nothing outputs zeros"
+
+
 # ---------------------------------------------------------------- arguments
 
 
@@ -305,8 +388,6 @@ def test_out_scale_and_strided_q():
 
 
 def test_ops_dispatch(monkeypatch):
-    import vtoken.ops as ops
-
     gen, rng = torch.Generator().manual_seed(22), random.Random(22)
     cache, lay = make_cache("vllm_flash", 6, 16, 2, 64, torch.float32, gen)
     idx, ptr = make_lists([9, 40], lay.num_slots, pad_tail=3, rng=rng)
@@ -339,6 +420,12 @@ def _mla_layout():
     return KVLayout.from_tensor(t, "mla")
 
 
+def _hnd_layout():
+    """An hnd layout of the same sizes as _valid_args's nhd cache: same elements, another order."""
+    t = torch.zeros(kv_cache_shape("hnd", 4, 16, 2, 64), dtype=torch.float16)
+    return KVLayout.from_tensor(t, "hnd")
+
+
 BAD_ARGS = [
     # (id, overrides, error type, message regex)
     ("q-not-tensor", dict(q=[[1.0]]), InvalidTypeError, "q: expected a torch.Tensor"),
@@ -351,6 +438,8 @@ BAD_ARGS = [
     ("cache-small", dict(kv_cache="small"), InvalidArgumentError, "kv_cache: expected a tensor spanning"),
     ("layout-type", dict(layout="nhd"), InvalidTypeError, "layout: expected a vtoken.layout.KVLayout"),
     ("layout-mla", dict(layout="mla"), InvalidArgumentError, "layout: expected num_kv == 2"),
+    ("layout-hnd-on-nhd", dict(layout="hnd"), InvalidArgumentError,
+     "layout: expected a layout that addresses the cache tensor of shape .* dim for dim"),
     ("indices-int64", dict(kv_indices=torch.tensor([1, 2, 3, 4], dtype=torch.int64)), InvalidTypeError, "kv_indices: expected dtype"),
     ("indptr-2d", dict(kv_indptr=torch.zeros(1, 3, dtype=torch.int32)), InvalidTypeError, "kv_indptr: expected 1 dims"),
     ("indptr-empty", dict(kv_indptr=torch.zeros(0, dtype=torch.int32)), InvalidTypeError, "kv_indptr: expected num_reqs"),
@@ -368,9 +457,11 @@ BAD_ARGS = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("case", BAD_ARGS, ids=[c[0] for c in BAD_ARGS])
-def test_bad_arguments_raise_typed_errors(case, impl):
+def test_bad_arguments_raise_typed_errors(case, backend, monkeypatch):
+    """vtoken.ops checks the contract once, before any backend runs."""
+    monkeypatch.setenv("VTOKEN_BACKEND", backend)
     _, overrides, err, match = case
     args = _valid_args()
     kwargs = {}
@@ -381,6 +472,8 @@ def test_bad_arguments_raise_typed_errors(case, impl):
             v = args["kv_cache"][:2]
         elif k == "layout" and v == "mla":
             v = _mla_layout()
+        elif k == "layout" and v == "hnd":
+            v = _hnd_layout()
         if k in ("q_indptr", "scale", "out"):
             kwargs[k] = v
         else:
@@ -388,9 +481,8 @@ def test_bad_arguments_raise_typed_errors(case, impl):
     guard = torch.full((2, 4, 64), 7.0, dtype=torch.float16)
     if "out" not in kwargs:
         kwargs["out"] = guard
-    fn = tri_attention if impl == "triton" else ref_attention
     with pytest.raises(err, match=match):
-        fn(args["q"], args["kv_cache"], args["layout"], args["kv_indices"], args["kv_indptr"], **kwargs)
+        ops.token_attention(args["q"], args["kv_cache"], args["layout"], args["kv_indices"], args["kv_indptr"], **kwargs)
     assert torch.equal(guard, torch.full_like(guard, 7.0)), "a rejected call must not write out"
 
 
@@ -450,7 +542,7 @@ def _aot_specs():
         (False, torch.float16, 256, 2, False, True),
         (False, torch.float32, 64, 1, False, True),
     ]:
-        a = ref_mod.TokenAttentionArgs(
+        a = contracts.TokenAttentionArgs(
             num_reqs=4, num_q_tokens=4, num_q_heads=8 * group, num_kv_heads=8, head_dim=head_dim, group=group,
             nnz_max=64, scale=1.0, decode=decode,
         )

@@ -1,6 +1,8 @@
 """Triton ``block_live_counts``: live tokens per physical block, and F, without a host sync.
 
-Semantics: :mod:`vtoken.reference.block_live_counts`.
+Semantics: :mod:`vtoken.reference.block_live_counts`; argument contract:
+:func:`vtoken_kernels.contracts.validate_block_live_counts_args`, checked once
+by :func:`vtoken.ops.block_live_counts` (this launcher does not check again).
 
 One histogram launch, one finalize launch:
 
@@ -23,8 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vtoken.reference.block_live_counts import validate_block_live_counts_args
-
 BLOCK = 4096
 """Tokens (and mask entries) per program. Not yet tuned on a GPU."""
 NUM_WARPS = 8
@@ -36,11 +36,8 @@ def block_live_counts(
     num_blocks: int,
     block_size: int,
     allocated: torch.Tensor | None = None,
-    *,
-    content_checks: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(counts[num_blocks] int32, F 0-dim float32)`` (Triton)."""
-    validate_block_live_counts_args(slots, alive, num_blocks, block_size, allocated, content_checks=content_checks)
+    """Return ``(counts[num_blocks] int32, F 0-dim float32)`` (Triton); PAD and out-of-range slots count nowhere."""
     dev = slots.device
     counts = torch.zeros(num_blocks, dtype=torch.int32, device=dev)
     acc = torch.zeros(2, dtype=torch.int64, device=dev)

@@ -1,7 +1,9 @@
 """Triton ``compact_kv``: copy live tokens' K/V rows of every layer in one launch.
 
-Semantics and slot contract: :mod:`vtoken.reference.compact_kv`. Callers
-normally go through :func:`vtoken.ops.compact_kv`.
+Semantics: :mod:`vtoken.reference.compact_kv`; argument contract:
+:func:`vtoken_kernels.contracts.check_compact_kv_args`. Callers normally go
+through :func:`vtoken.ops.compact_kv`, which checks the contract once; this
+launcher takes validated arguments and does not check them again.
 
 One launch covers all layers without a device array of pointers: layer 0's
 cache is the base pointer and an int64 tensor holds each layer's element
@@ -16,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vtoken.layout import KVLayout
-from vtoken.reference.compact_kv import check_compact_kv_args, int_view, token_rows
+from vtoken_kernels.contracts import int_view, token_rows
+from vtoken_kernels.layout import KVLayout
 
 # Elements per program tile; 4096 keeps a tile at <= 16 KiB (fp32) so a program
 # is one (move, layer) pair with a handful of vector loads per thread.
@@ -28,9 +30,7 @@ _MAX_TILE = 4096
 _OFFSETS_CACHE: dict = {}
 
 
-def compact_kv(
-    kv_caches, layout: KVLayout, src_slots: torch.Tensor, dst_slots: torch.Tensor, *, validate=None
-) -> None:
+def compact_kv(kv_caches, layout: KVLayout, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """Relocate tokens ``src_slots[m] -> dst_slots[m]`` in every layer's cache, in place.
 
     Parameters
@@ -38,18 +38,16 @@ def compact_kv(
     kv_caches : list[torch.Tensor]
         One cache tensor per layer, all with the same shape, strides and dtype,
         described by ``layout``.
-    layout : vtoken.layout.KVLayout
+    layout : vtoken_kernels.layout.KVLayout
         Where a slot's rows live in each tensor.
     src_slots, dst_slots : torch.Tensor
-        int32 ``[M]`` on the caches' device; PAD (-1) skips a move.
-    validate : bool | None
-        Check the slot contract (syncs); ``None`` follows ``VTOKEN_DEBUG_INVARIANTS``.
+        int32 ``[M]`` on the caches' device; PAD (-1) skips a move, and so
+        does an out-of-range slot (never a write outside the caches).
 
     NOTE: the layer-offset tensor is built once per set of cache addresses
     (an H2D copy) and kept: call once before capturing a CUDA graph so the
     capture does not allocate it.
     """
-    check_compact_kv_args(kv_caches, layout, src_slots, dst_slots, validate=validate)
     num_moves = src_slots.numel()
     if num_moves == 0:
         return

@@ -2,8 +2,11 @@
 
 Every key/value row is read through ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``
 (request ``r``'s live slots, in logical order), so a dead token that still
-sits in a live block is never read. Semantics, shapes and the causal rule are
-those of :mod:`vtoken.reference.token_attention`.
+sits in a live block is never read. Semantics, shapes, the causal rule and NaN
+propagation are those of :mod:`vtoken.reference.token_attention`. The argument
+contract is :func:`vtoken_kernels.contracts.validate_token_attention_args`,
+checked once by :func:`vtoken.ops.token_attention`; the launcher takes
+validated arguments and does not check them again.
 
 Kernels (launched by :func:`token_attention`):
 
@@ -42,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vtoken.errors import InvalidArgumentError
-from vtoken.reference.token_attention import validate_token_attention_args
+from vtoken_kernels.contracts import token_attention_sizes
+from vtoken_kernels.errors import InvalidArgumentError
 
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 256
@@ -69,7 +72,7 @@ def token_attention(
         q: ``[num_q_tokens, num_q_heads, head_dim]`` fp16 / bf16 / fp32
             (last dim contiguous; other strides free).
         kv_cache: one layer's cache tensor, same dtype and device as ``q``.
-        layout: :class:`vtoken.layout.KVLayout` of ``kv_cache`` with ``num_kv == 2``.
+        layout: :class:`vtoken_kernels.layout.KVLayout` of ``kv_cache`` with ``num_kv == 2``.
         kv_indices: int32 ``[nnz_max]`` slots; PAD (-1) entries are skipped.
         kv_indptr: int32 ``[num_reqs + 1]``.
         q_indptr: int32 ``[num_reqs + 1]`` (varlen prefill) or ``None`` (decode,
@@ -87,15 +90,18 @@ def token_attention(
     Example::
 
         >>> import torch
-        >>> from vtoken.layout import KVLayout, kv_cache_shape
-        >>> cache = torch.randn(kv_cache_shape("vllm_flash", 8, 16, 2, 64), device="cuda", dtype=torch.float16)
+        >>> from vtoken_kernels.layout import KVLayout, kv_cache_shape
+        >>> dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU needs TRITON_INTERPRET=1
+        >>> cache = torch.randn(kv_cache_shape("vllm_flash", 8, 16, 2, 64), device=dev, dtype=torch.float16)
         >>> lay = KVLayout.from_tensor(cache, "vllm_flash")
-        >>> q = torch.randn(2, 8, 64, device="cuda", dtype=torch.float16)
-        >>> idx = torch.tensor([5, 9, 33, 34, 70, -1, -1], dtype=torch.int32, device="cuda")
-        >>> ptr = torch.tensor([0, 3, 5], dtype=torch.int32, device="cuda")
+        >>> q = torch.randn(2, 8, 64, device=dev, dtype=torch.float16)
+        >>> idx = torch.tensor([5, 9, 33, 34, 70, -1, -1], dtype=torch.int32, device=dev)
+        >>> ptr = torch.tensor([0, 3, 5], dtype=torch.int32, device=dev)
         >>> o, ks = token_attention(q, cache, lay, idx, ptr, return_key_scores=True)
+        >>> o.shape, ks.shape
+        (torch.Size([2, 8, 64]), torch.Size([7, 2]))
     """
-    a = validate_token_attention_args(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr, scale=scale, out=out)
+    a = token_attention_sizes(q, layout, kv_indices, kv_indptr, q_indptr, scale)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise InvalidArgumentError(f"num_splits: expected an int >= 1 or None, got {num_splits!r}")
     dev = q.device
@@ -264,10 +270,13 @@ def _token_attention_reduce_kernel(
     w = tl.exp2(lse_s - m_safe)
     w_sum = tl.sum(w, 0)
     o_s = tl.load(mid_o_ptr + (row + s)[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
-    o = tl.sum(w[:, None] * o_s, 0) / tl.where(w_sum > 0, w_sum, 1.0)
+    # w_sum is 0 (no split saw a key), > 0, or NaN (a NaN score): NaN stays NaN in out and lse.
+    empty = w_sum == 0
+    w_safe = tl.where(empty, 1.0, w_sum)
+    o = tl.sum(w[:, None] * o_s, 0) / w_safe
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
     if WRITE_LSE:
-        lse = tl.where(w_sum > 0, m_safe + tl.log2(tl.where(w_sum > 0, w_sum, 1.0)), float("-inf"))
+        lse = tl.where(empty, float("-inf"), m_safe + tl.log2(w_safe))
         tl.store(lse_ptr + t * num_q_heads + h, lse)
 
 
@@ -358,7 +367,8 @@ def _token_attention_key_scores_kernel(
             lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
             s = tl.dot(qv, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             lim = n_live - n_new + (q_tok - q_start)
-            allowed = row_ok[:, None] & ok[None, :] & (j[None, :] <= lim[:, None]) & (lse[:, None] > float("-inf"))
+            # A NaN lse (a NaN score in the row) passes, so its keys score NaN, as in the reference.
+            allowed = row_ok[:, None] & ok[None, :] & (j[None, :] <= lim[:, None]) & (lse[:, None] != float("-inf"))
             p = tl.where(allowed, tl.exp2(s - lse_safe[:, None]), 0.0)
             acc += tl.sum(p, 0)
         dst = (kv_start + j).to(tl.int64) * num_kv_heads + g
@@ -456,6 +466,7 @@ def _token_attention_kernel(
     m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], dtype=tl.float32)
+    reads_bad_v = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.int32)  # 1: the row attends a key with a non-finite V
     for n0 in range(lo, hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         in_range = j < hi
@@ -475,6 +486,14 @@ def _token_attention_kernel(
         s = tl.dot(qv, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         allowed = ok[None, :] & (j[None, :] <= lim[:, None])
         s = tl.where(allowed, s, float("-inf"))
+        # NOTE: in P @ V a NaN/Inf in the V of a key that a row may not attend (p = 0) would still
+        # give that row 0 * NaN = NaN. Non-finite V elements are zeroed and the rows that do attend
+        # such a key are set to NaN after the loop (the reference's semantics). Cost: a compare and
+        # a select per V element, on data already in registers (not yet measured on a GPU).
+        v_bad = (v != v) | (tl.abs(v) == float("inf"))
+        v = tl.where(v_bad, tl.zeros_like(v), v)
+        key_bad = tl.max(v_bad.to(tl.int32), 1)  # [BLOCK_N]
+        reads_bad_v = tl.maximum(reads_bad_v, tl.max(tl.where(allowed, key_bad[None, :], 0), 1))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no allowed key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -484,10 +503,12 @@ def _token_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    has = l_i > 0
-    l_safe = tl.where(has, l_i, 1.0)
+    # l_i is 0 (no attendable key: zeros, lse -inf), > 0, or NaN (a NaN score: NaN out and lse).
+    empty = l_i == 0
+    l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
-    lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+    o = tl.where(reads_bad_v[:, None] > 0, float("nan"), o)
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
     row_head = q_tok.to(tl.int64) * num_q_heads + head
     if SPLIT:
         mid_row = row_head * num_splits + split

@@ -6,7 +6,9 @@ tensors, C++ kernels on CPU tensors) > Triton (on CUDA, or on CPU under
 ``VTOKEN_BACKEND=cuda|triton|torch`` forces one; a forced backend that is not
 available raises instead of silently falling back.
 
-Runtime modules call these functions, never a backend directly.
+Runtime modules call these functions, never a backend directly. Each op
+checks its argument contract (:mod:`vtoken_kernels.contracts`) once, then
+dispatches; the backends take validated arguments and do not check again.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import os
 
 import torch
 
-from vtoken.errors import InvalidArgumentError
+from vtoken.errors import InvalidArgumentError, check_tensor
+from vtoken_kernels import contracts
 
 BACKENDS = ("cuda", "triton", "torch")
 
@@ -60,7 +63,7 @@ def select_backend(op: str, device: torch.device, *, has_cuda_impl: bool = True)
 
 
 # --- ops -----------------------------------------------------------------
-# Each op below: validate in the reference/launcher, dispatch with select_backend().
+# Each op below: validate with its contract, then dispatch with select_backend().
 
 
 def token_attention(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr=None, *, scale=None,
@@ -72,13 +75,16 @@ def token_attention(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr=None, *
     [nnz_max]`` / ``kv_indptr [num_reqs+1]`` (PAD past ``kv_indptr[-1]``); int32
     ``q_indptr [num_reqs+1]`` or ``None`` (one query per request). Returns ``out``
     (dtype of ``q``) or ``(out, key_scores)`` with float32 ``key_scores [nnz_max,
-    num_kv_heads]``. Full semantics: :mod:`vtoken.reference.token_attention`.
+    num_kv_heads]``. Full semantics, NaN propagation included:
+    :mod:`vtoken.reference.token_attention`. Contract:
+    :func:`vtoken_kernels.contracts.validate_token_attention_args`.
     Backends: Triton, else the torch reference (no CUDA C++ implementation).
     """
-    from vtoken.errors import check_tensor
-
     check_tensor("q", q)
     backend = select_backend("token_attention", q.device, has_cuda_impl=False)
+    # The reference reads the index tensors on the host anyway: its content checks cost no extra sync.
+    contracts.validate_token_attention_args(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr, scale=scale,
+                                            out=out, content_checks=True if backend == "torch" else None)
     if backend == "triton":
         from vtoken_kernels.token_attention import token_attention as impl
     else:
@@ -133,22 +139,24 @@ def compact_kv(kv_caches, layout, src_slots, dst_slots, *, validate=None) -> Non
     True
 
     Backends: ``torch.ops.vtoken.compact_kv`` (CUDA kernel, or the C++ kernel
-    on CPU tensors) > Triton > :mod:`vtoken.reference.compact_kv`.
+    on CPU tensors) > Triton > :mod:`vtoken.reference.compact_kv`. Contract:
+    :func:`vtoken_kernels.contracts.check_compact_kv_args` (the layout is
+    checked against the caches' shape and strides, dim for dim).
     """
-    from vtoken.reference import compact_kv as ref
-
-    backend = select_backend("compact_kv", ref.cache_device(kv_caches))
+    contracts.check_compact_kv_args(kv_caches, layout, src_slots, dst_slots, validate=validate)
+    backend = select_backend("compact_kv", kv_caches[0].device)
     if backend == "cuda":
-        ref.check_compact_kv_args(kv_caches, layout, src_slots, dst_slots, validate=validate)
         torch.ops.vtoken.compact_kv(
-            list(kv_caches), src_slots.contiguous(), dst_slots.contiguous(), *ref.layout_op_args(layout)
+            list(kv_caches), src_slots.contiguous(), dst_slots.contiguous(), *contracts.layout_op_args(layout)
         )
     elif backend == "triton":
         from vtoken_kernels.compact_kv import compact_kv as impl
 
-        impl(kv_caches, layout, src_slots, dst_slots, validate=validate)
+        impl(kv_caches, layout, src_slots, dst_slots)
     else:
-        ref.compact_kv(kv_caches, layout, src_slots, dst_slots, validate=validate)
+        from vtoken.reference.compact_kv import compact_kv as impl
+
+        impl(kv_caches, layout, src_slots, dst_slots)
 
 
 # --- build_slot_lists / block_live_counts ------------------------------------
@@ -211,10 +219,8 @@ def build_slot_lists(slots, alive, mirror_starts, num_tokens, new_token_counts, 
     Backends: ``torch.ops.vtoken.build_slot_lists`` (CUDA, or C++ on CPU
     tensors) > Triton > :mod:`vtoken.reference.build_slot_lists`.
     """
-    from vtoken_kernels.contracts import validate_slot_list_args
-
     args = (slots, alive, mirror_starts, num_tokens, new_token_counts, kv_indices, kv_indptr, slot_mapping, kv_pos)
-    n = validate_slot_list_args(*args, num_reqs)
+    n = contracts.validate_slot_list_args(*args, num_reqs)
     backend = select_backend("build_slot_lists", slots.device)
     if backend == "cuda":
         torch.ops.vtoken.build_slot_lists(*args, n)
@@ -246,10 +252,9 @@ def block_live_counts(slots, alive, num_blocks: int, block_size: int, allocated=
     ([1, 1], 0.9375)
 
     Backends: ``torch.ops.vtoken.block_live_counts`` > Triton > reference.
+    Contract: :func:`vtoken_kernels.contracts.validate_block_live_counts_args`.
     """
-    from vtoken.reference import block_live_counts as ref
-
-    ref.validate_block_live_counts_args(slots, alive, num_blocks, block_size, allocated)
+    contracts.validate_block_live_counts_args(slots, alive, num_blocks, block_size, allocated)
     backend = select_backend("block_live_counts", slots.device)
     if backend == "cuda":
         counts, f = torch.ops.vtoken.block_live_counts(slots, alive, allocated, num_blocks, block_size)
@@ -257,5 +262,5 @@ def block_live_counts(slots, alive, num_blocks: int, block_size: int, allocated=
     if backend == "triton":
         from vtoken_kernels.block_live_counts import block_live_counts as impl
     else:
-        impl = ref.block_live_counts
-    return impl(slots, alive, num_blocks, block_size, allocated, content_checks=False)
+        from vtoken.reference.block_live_counts import block_live_counts as impl
+    return impl(slots, alive, num_blocks, block_size, allocated)

@@ -17,50 +17,17 @@ Outputs
     Live tokens in unallocated blocks are counted but do not enter F.
 
 No backend syncs the host, so F can feed a GPU-side reclamation trigger.
-Content checks (a live token with a slot outside ``[0, num_blocks *
-block_size)`` other than PAD) run when the tensors are on the CPU or under
-``VTOKEN_DEBUG_INVARIANTS=1``, and raise before anything is computed.
+The arguments are checked once, at the op boundary
+(:func:`vtoken.ops.block_live_counts`), by
+:func:`vtoken_kernels.contracts.validate_block_live_counts_args`: its content
+checks (a live token with a slot outside ``[0, num_blocks * block_size)``
+other than PAD) run when the tensors are on the CPU or under
+``VTOKEN_DEBUG_INVARIANTS=1``, and raise before anything is computed. This
+reference does not check its arguments again.
 """
 from __future__ import annotations
 
 import torch
-
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, debug_checks_enabled
-from vtoken.reference.build_slot_lists import _capturing, _check_1d, _check_slots_alive
-
-ALLOCATED_DTYPES = (torch.bool, torch.int8)
-
-
-def validate_block_live_counts_args(
-    slots, alive, num_blocks, block_size, allocated=None, *, content_checks: bool | None = None,
-) -> None:
-    """Validate ``block_live_counts``'s arguments (typed "expected X, got Y" errors)."""
-    device = _check_slots_alive(slots, alive)
-    for arg, v in (("num_blocks", num_blocks), ("block_size", block_size)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise InvalidTypeError(f"{arg}: expected an int, got {type(v).__name__}")
-    if num_blocks < 0:
-        raise InvalidArgumentError(f"num_blocks: expected >= 0, got {num_blocks}")
-    if block_size < 1:
-        raise InvalidArgumentError(f"block_size: expected >= 1, got {block_size}")
-    if num_blocks * block_size > 2**31:
-        raise InvalidArgumentError(
-            f"num_blocks * block_size: expected <= 2**31 (int32 slots), got {num_blocks * block_size}"
-        )
-    if allocated is not None:
-        _check_1d("allocated", allocated, ALLOCATED_DTYPES, device)
-        if allocated.numel() != num_blocks:
-            raise InvalidTypeError(f"allocated: expected shape ({num_blocks},), got {tuple(allocated.shape)}")
-    if content_checks is None:
-        content_checks = device.type == "cpu" or debug_checks_enabled()
-    if content_checks and not _capturing(device):
-        s = slots[alive.to(torch.bool)].to("cpu", torch.int64)
-        bad = (s != -1) & ((s < 0) | (s >= num_blocks * block_size))
-        if bool(bad.any()):
-            raise InvalidArgumentError(
-                f"slots: expected alive slots in [0, num_blocks * block_size = {num_blocks * block_size}) or PAD, "
-                f"got {int(s[bad][0])}"
-            )
 
 
 def waste_ratio(live_in_allocated: torch.Tensor, num_allocated: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -71,10 +38,9 @@ def waste_ratio(live_in_allocated: torch.Tensor, num_allocated: torch.Tensor, bl
 
 
 def block_live_counts(
-    slots, alive, num_blocks: int, block_size: int, allocated=None, *, content_checks: bool | None = None,
+    slots, alive, num_blocks: int, block_size: int, allocated=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(counts[num_blocks] int32, F 0-dim float32)`` (see module docstring)."""
-    validate_block_live_counts_args(slots, alive, num_blocks, block_size, allocated, content_checks=content_checks)
     s = slots.to(torch.int64)
     valid = (alive != 0) & (s >= 0) & (s < num_blocks * block_size)
     blk = torch.where(valid, s // block_size, num_blocks)  # invalid tokens go to a dummy bin

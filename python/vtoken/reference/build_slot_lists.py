@@ -35,10 +35,6 @@ from __future__ import annotations
 import torch
 
 from vtoken import PAD_SLOT
-# Re-exported for vtoken.reference.block_live_counts, which shares these checks.
-from vtoken_kernels.contracts import capturing as _capturing  # noqa: F401
-from vtoken_kernels.contracts import check_1d as _check_1d  # noqa: F401
-from vtoken_kernels.contracts import check_slots_alive as _check_slots_alive  # noqa: F401
 
 PAD = PAD_SLOT
 

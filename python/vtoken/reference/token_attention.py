@@ -23,163 +23,31 @@ per-dtype tolerance stated in ``tests/test_token_attention.py``):
   of kv head ``g``'s group of the softmax probability given to key ``j``. Rows
   that belong to no request are 0. H2O / TOVA-style policies accumulate it.
 
-The validation here is shared with the Triton launcher
-(:func:`validate_token_attention_args`), so both raise the same typed errors.
+Non-finite inputs (NaN propagation; every backend does the same, so a NaN is
+never turned into a finite result):
+
+* Output row ``(i, h)`` (query ``i``, query head ``h``, kv head
+  ``g = h // group``) is NaN in every element when ``q[i, h]`` holds a NaN,
+  when a key it attends (listed, not PAD, allowed by the causal rule) holds a
+  NaN in its K row of kv head ``g``, or a NaN or +-Inf in its V row of kv head
+  ``g``. Rows that do not attend that key are unaffected.
+* A NaN score (from ``q`` or K) makes ``key_scores[j, g]`` NaN for every key
+  ``j`` the row attends. V never enters the key scores.
+* A query row with no attendable key outputs zeros whatever ``q`` holds (it
+  reads nothing). +-Inf in ``q`` or K go through the scores by IEEE rules.
+
+Arguments are checked once, by
+:func:`vtoken_kernels.contracts.validate_token_attention_args`, at the op
+boundary (:func:`vtoken.ops.token_attention`); this reference does not check
+them again.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_tensor, debug_checks_enabled
+from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.layout import KVLayout
-
-ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
-
-
-@dataclass(frozen=True)
-class TokenAttentionArgs:
-    """Sizes derived from validated ``token_attention`` arguments (no device sync)."""
-
-    num_reqs: int
-    num_q_tokens: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    group: int
-    nnz_max: int
-    scale: float
-    decode: bool
-
-
-def _check_indptr(arg: str, indptr: torch.Tensor, limit: int, limit_desc: str) -> None:
-    """Host-side content checks of an indptr (only called where no sync is needed)."""
-    v = indptr.to(torch.int64)
-    if v.numel() and int(v[0]) < 0:
-        raise InvalidArgumentError(f"{arg}: expected a first entry >= 0, got {int(v[0])}")
-    if v.numel() > 1 and bool((v[1:] < v[:-1]).any()):
-        raise InvalidArgumentError(f"{arg}: expected a non-decreasing array, got {v.tolist()[:16]}...")
-    if v.numel() and int(v[-1]) > limit:
-        raise InvalidArgumentError(f"{arg}: expected a last entry <= {limit_desc} ({limit}), got {int(v[-1])}")
-
-
-def validate_token_attention_args(
-    q, kv_cache, layout, kv_indices, kv_indptr, q_indptr=None, *, scale=None, out=None,
-    content_checks: bool | None = None,
-) -> TokenAttentionArgs:
-    """Validate ``token_attention``'s arguments; raise typed errors naming the argument.
-
-    Shape, dtype and device checks never touch tensor contents. Content checks
-    (indptr monotonicity and bounds, slot range, ``n_new <= n_live``) read the
-    index tensors, so they run only when those tensors live on the CPU (no
-    device sync), or when ``content_checks=True`` / ``VTOKEN_DEBUG_INVARIANTS=1``.
-    """
-    check_tensor("q", q, dtype=ATTN_DTYPES, ndim=3)
-    if q.stride(2) != 1:
-        raise InvalidArgumentError(f"q: expected a contiguous last dim (stride 1), got strides {tuple(q.stride())}")
-    num_q_tokens, num_q_heads, head_dim = q.shape
-    if not isinstance(layout, KVLayout):
-        raise InvalidTypeError(f"layout: expected a vtoken.layout.KVLayout, got {type(layout).__name__}")
-    if layout.num_kv != 2:
-        raise InvalidArgumentError(
-            f"layout: expected num_kv == 2 (K and V in one tensor), got {layout.num_kv} (layout {layout.name!r})"
-        )
-    check_tensor("kv_cache", kv_cache, dtype=q.dtype, device=q.device)
-    if head_dim != layout.head_dim:
-        raise InvalidArgumentError(f"q: expected head_dim == layout.head_dim ({layout.head_dim}), got {head_dim}")
-    if head_dim > MAX_HEAD_DIM:
-        raise InvalidArgumentError(f"q: expected head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
-    if kv_cache.stride(-1) != 1:
-        raise InvalidArgumentError("kv_cache: expected a contiguous last dim (stride 1)")
-    # The farthest element the layout can address must lie inside kv_cache.
-    span = 1 + sum((s - 1) * st for s, st in zip(kv_cache.shape, kv_cache.stride()))
-    far = (
-        (layout.num_blocks - 1) * layout.stride_block
-        + (layout.block_size - 1) * layout.stride_offset
-        + (layout.num_kv - 1) * layout.stride_kv
-        + (layout.num_heads - 1) * layout.stride_head
-        + layout.head_dim
-        - 1
-    )
-    if kv_cache.numel() == 0 or far >= span:
-        raise InvalidArgumentError(
-            f"kv_cache: expected a tensor spanning layout {layout.name!r} ({far + 1} elements), "
-            f"got shape {tuple(kv_cache.shape)} strides {tuple(kv_cache.stride())}"
-        )
-    num_kv_heads = layout.num_heads
-    if num_q_heads % num_kv_heads != 0:
-        raise InvalidArgumentError(
-            f"q: expected num_q_heads divisible by num_kv_heads ({num_kv_heads}) for GQA, got {num_q_heads}"
-        )
-    check_tensor("kv_indices", kv_indices, dtype=torch.int32, ndim=1, device=q.device)
-    check_tensor("kv_indptr", kv_indptr, dtype=torch.int32, ndim=1, device=q.device)
-    if kv_indptr.numel() < 1:
-        raise InvalidTypeError("kv_indptr: expected num_reqs + 1 >= 1 entries, got 0")
-    num_reqs = kv_indptr.numel() - 1
-    decode = q_indptr is None
-    if decode:
-        if num_q_tokens != num_reqs:
-            raise InvalidTypeError(
-                f"q: expected one query per request in decode mode (q.shape[0] == len(kv_indptr) - 1 == "
-                f"{num_reqs}), got {num_q_tokens}"
-            )
-    else:
-        check_tensor("q_indptr", q_indptr, dtype=torch.int32, ndim=1, device=q.device)
-        if q_indptr.numel() != kv_indptr.numel():
-            raise InvalidTypeError(
-                f"q_indptr: expected len(kv_indptr) == {kv_indptr.numel()} entries, got {q_indptr.numel()}"
-            )
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise InvalidArgumentError(f"scale: expected a finite float > 0, got {scale!r}")
-    if out is not None:
-        check_tensor("out", out, dtype=q.dtype, shape=tuple(q.shape), device=q.device)
-        if out.stride(2) != 1:
-            raise InvalidArgumentError(
-                f"out: expected a contiguous last dim (stride 1), got strides {tuple(out.stride())}"
-            )
-    nnz_max = kv_indices.numel()
-
-    if content_checks is None:
-        content_checks = q.device.type == "cpu" or debug_checks_enabled()
-        # NOTE: reading indices syncs the host; never do it while a CUDA graph is being captured.
-        if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            content_checks = False
-    if content_checks:
-        _check_indptr("kv_indptr", kv_indptr, nnz_max, "len(kv_indices)")
-        if not decode:
-            _check_indptr("q_indptr", q_indptr, num_q_tokens, "q.shape[0]")
-            n_new = (q_indptr[1:] - q_indptr[:-1]).to(torch.int64)
-            n_live = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
-            bad = torch.nonzero(n_new > n_live).flatten()
-            if bad.numel():
-                r = int(bad[0])
-                raise InvalidArgumentError(
-                    f"q_indptr: expected request {r}'s new queries ({int(n_new[r])}) <= its listed slots "
-                    f"({int(n_live[r])}); the new tokens' own K/V must be in its slot list"
-                )
-        if num_reqs:
-            listed = kv_indices[int(kv_indptr[0]) : int(kv_indptr[-1])].to(torch.int64)
-            oob = listed[(listed < -1) | (listed >= layout.num_slots)]
-            if oob.numel():
-                raise InvalidArgumentError(
-                    f"kv_indices: expected slots in [0, {layout.num_slots}) or PAD (-1), got {int(oob[0])}"
-                )
-    return TokenAttentionArgs(
-        num_reqs=num_reqs,
-        num_q_tokens=num_q_tokens,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        group=num_q_heads // num_kv_heads,
-        nnz_max=nnz_max,
-        scale=float(scale),
-        decode=decode,
-    )
+from vtoken_kernels.contracts import token_attention_sizes
 
 
 def token_attention(
@@ -196,6 +64,9 @@ def token_attention(
     compute_dtype: torch.dtype = torch.float32,
 ):
     """Reference token-indexed attention (a per-request host loop; see module docstring).
+
+    Takes arguments that passed the contract (see module docstring); only
+    ``compute_dtype``, the reference's own argument, is checked here.
 
     Args:
         q: ``[num_q_tokens, num_q_heads, head_dim]`` fp16 / bf16 / fp32.
@@ -225,13 +96,11 @@ def token_attention(
         >>> o.shape, ks.shape
         (torch.Size([1, 4, 64]), torch.Size([3, 2]))
     """
-    a = validate_token_attention_args(
-        q, kv_cache, layout, kv_indices, kv_indptr, q_indptr, scale=scale, out=out, content_checks=True
-    )
     if compute_dtype not in (torch.float32, torch.float64):
         raise InvalidTypeError(f"compute_dtype: expected torch.float32 or torch.float64, got {compute_dtype}")
     if compute_dtype == torch.float64 and out is not None:
         raise InvalidArgumentError("out: expected None with compute_dtype=torch.float64 (the oracle returns float64)")
+    a = token_attention_sizes(q, layout, kv_indices, kv_indptr, q_indptr, scale)
     view = layout.canonical_view(kv_cache)
     kv_ptr = kv_indptr.to("cpu", torch.int64).tolist()
     q_ptr = list(range(a.num_reqs + 1)) if a.decode else q_indptr.to("cpu", torch.int64).tolist()
@@ -258,12 +127,22 @@ def token_attention(
         j = torch.arange(n_live, device=q.device)[None, :]
         allowed = (j <= n_live - n_new + i) & valid[None, :]  # [n_new, n_live]
         s = s.masked_fill(~allowed, float("-inf"))
+        # A row with no attendable key has max -inf: shift by 0 so it gets p = 0. A NaN max stays
+        # NaN, so a NaN score makes the whole row NaN (module docstring).
         row_max = s.amax(dim=-1, keepdim=True)
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
         e = torch.exp(s - row_max)
         denom = e.sum(dim=-1, keepdim=True)
-        p = torch.where(denom > 0, e / torch.where(denom > 0, denom, 1), torch.zeros_like(e))
-        result[q0:q1] = torch.einsum("kgij,jkd->ikgd", p, v).reshape(n_new, a.num_q_heads, -1)
+        p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
+        p = torch.where(allowed, p, torch.zeros_like(p))  # a NaN row still gives its unattended keys 0
+        # NOTE: 0 * NaN = NaN would carry a non-finite V into rows that do not attend its key:
+        # zero those elements for P @ V, then set the rows that do attend the key to NaN.
+        v_finite = torch.isfinite(v)
+        bad_key = ~v_finite.all(dim=-1)  # [n_live, Hkv]
+        o = torch.einsum("kgij,jkd->ikgd", p, torch.where(v_finite, v, 0))  # [n_new, Hkv, G, D]
+        reads_bad_v = (allowed[:, :, None] & bad_key[None, :, :]).any(dim=1)  # [n_new, Hkv]
+        o = torch.where(reads_bad_v[:, :, None, None], float("nan"), o)
+        result[q0:q1] = o.reshape(n_new, a.num_q_heads, -1)
         # Sum over the group's query heads and the request's queries, per kv head.
         scores[k0:k1] = p.sum(dim=(1, 2)).T
     if compute_dtype == torch.float64:

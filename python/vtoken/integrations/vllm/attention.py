@@ -54,7 +54,7 @@ from vtoken import ops
 from vtoken.errors import InvariantViolation
 from vtoken.integrations.vllm import worker as worker_mod
 from vtoken.layout import KVLayout
-from vtoken.reference.token_attention import MAX_HEAD_DIM
+from vtoken_kernels.contracts import MAX_HEAD_DIM
 
 CONNECTOR_NAME = "VTokenConnector"
 
