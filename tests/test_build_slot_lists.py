@@ -23,7 +23,7 @@ from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.reference import build_slot_lists as ref
 import vtoken_kernels.build_slot_lists as tk
 
-from aot_helpers import compile_kernel, run_without_interpreter
+from aot_helpers import AOT_ARCHS, compile_kernel, compile_module_in_fresh_process, expected_compiles
 
 HAS_EXT = ops.extension_loaded() and hasattr(torch.ops.vtoken, "build_slot_lists")
 POISON = -77  # neither a slot nor PAD
@@ -434,26 +434,26 @@ def test_opcheck(op):
 
 
 def _aot_kernels():
-    """(name, kernel, signature, constexprs) for every kernel, as the launchers call them."""
+    """(label, kernel, signature, constexprs) for every kernel, as the launchers call them."""
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     blocks = {"BLOCK": tk.BLOCK, "RBLOCK": tk.RBLOCK, "PAD_BLOCK": tk.PAD_BLOCK}
     out = []
     for off in ("*i64", "*i32"):
-        out.append(("span_count", tk._span_count_kernel,
+        out.append((f"span_count-{off[1:]}", tk._span_count_kernel,
                     {"alive_ptr": "*i8", "offsets_ptr": off, "span_counts_ptr": "*i32",
                      **ints("num_tokens", "num_reqs", "tiles_per_span")}, {"BLOCK": tk.BLOCK}))
-        out.append(("build", tk._build_slot_lists_kernel,
+        out.append((f"build-{off[1:]}", tk._build_slot_lists_kernel,
                     {"slots_ptr": "*i32", "alive_ptr": "*i8", "offsets_ptr": off, "new_counts_ptr": off,
                      "span_counts_ptr": "*i32", "kv_indices_ptr": "*i32", "kv_indptr_ptr": "*i32",
                      "slot_mapping_ptr": "*i32",
                      **ints("num_tokens", "num_reqs", "max_reqs", "nnz_max", "max_tokens", "num_spans",
                             "tiles_per_span")}, blocks))
-        out.append(("append_stage", tk._append_stage_kernel,
+        out.append((f"append_stage-{off[1:]}", tk._append_stage_kernel,
                     {"alive_ptr": "*i8", "offsets_ptr": off, "new_counts_ptr": off, "kv_indices_ptr": "*i32",
                      "kv_indptr_ptr": "*i32", "ws_counts_ptr": "*i32", "ws_indptr_ptr": "*i32",
                      "ws_stage_ptr": "*i32", **ints("num_tokens", "num_reqs", "nnz_max")},
                     {"BLOCK": tk.BLOCK, "RBLOCK": tk.RBLOCK}))
-        out.append(("append_place", tk._append_place_kernel,
+        out.append((f"append_place-{off[1:]}", tk._append_place_kernel,
                     {"slots_ptr": "*i32", "alive_ptr": "*i8", "offsets_ptr": off, "new_counts_ptr": off,
                      "ws_counts_ptr": "*i32", "ws_indptr_ptr": "*i32", "ws_stage_ptr": "*i32",
                      "kv_indices_ptr": "*i32", "kv_indptr_ptr": "*i32", "slot_mapping_ptr": "*i32",
@@ -461,24 +461,23 @@ def _aot_kernels():
     return out
 
 
-def _aot_compile_all(arch: int) -> None:
-    """Compile every kernel for ``arch``; run in a process without TRITON_INTERPRET."""
-    for name, kernel, signature, constexprs in _aot_kernels():
-        compiled = compile_kernel(kernel, signature, constexprs, arch, tk.NUM_WARPS)
-        if name == "append_place":
-            # The in-place move's CTA barrier survived compilation.
-            assert "bar.sync" in compiled.asm["ptx"] or "barrier.sync" in compiled.asm["ptx"], name
-        print("compiled", name, arch)
+def _aot_compile_all() -> None:
+    """Compile every kernel for every AOT arch; run in a process without TRITON_INTERPRET (see aot_helpers)."""
+    for arch in AOT_ARCHS:
+        for label, kernel, signature, constexprs in _aot_kernels():
+            compiled = compile_kernel(kernel, signature, constexprs, arch, {"num_warps": tk.NUM_WARPS}, label=label)
+            if label.startswith("append_place"):
+                # The in-place move's CTA barrier survived compilation.
+                assert "bar.sync" in compiled.asm["ptx"] or "barrier.sync" in compiled.asm["ptx"], label
 
 
-@pytest.mark.parametrize("arch", [90, 80])
-def test_aot_compile_for_sm90_sm80(arch):
-    """Compile every kernel for sm_90 / sm_80 (no GPU): catches what the interpreter tolerates.
+def test_aot_compile_for_sm90_sm80():
+    """Compile every kernel for sm_90 and sm_80 (no GPU): catches what the interpreter tolerates.
 
-    It runs in a fresh process without TRITON_INTERPRET (see aot_helpers).
+    One fresh process without TRITON_INTERPRET compiles them all (see aot_helpers).
     """
-    stdout = run_without_interpreter("test_build_slot_lists", "_aot_compile_all", arch)
-    assert stdout.count("compiled") == len(_aot_kernels())
+    compiled = compile_module_in_fresh_process("test_build_slot_lists")
+    assert compiled == expected_compiles(label for label, *_ in _aot_kernels())
 
 
 # ----------------------------------------------------------------- GPU

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from aot_helpers import AOT_ARCHS, compile_kernel, compile_module_in_fresh_process, expected_compiles
 from vtoken import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.layout import KVLayout
@@ -440,40 +441,37 @@ def _aot_specs():
     return specs
 
 
-@pytest.mark.parametrize("arch", [90, 80])
-def test_aot_compile_for_sm90_sm80(arch):
-    """Compile the kernel with the launcher's configs for sm_90 / sm_80, no GPU needed."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
+def _aot_compile_all() -> None:
+    """Compile every spec for every AOT arch; run in a process without TRITON_INTERPRET (see aot_helpers)."""
     from vtoken_kernels import compact_kv as tk
 
     kernel = tk._compact_kv_kernel
-    # Under TRITON_INTERPRET=1, @triton.jit gives an interpreter wrapper.
-    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
     tl_int = {torch.uint8: "*u8", torch.int16: "*i16", torch.int32: "*i32"}
-    for spec_id, (args, constexprs, options) in _aot_specs():
-        signature = {}
-        for name, value in zip(fn.arg_names, args):
-            if isinstance(value, torch.Tensor):
-                signature[name] = tl_int.get(value.dtype, "*i64")
-            else:
-                signature[name] = "i64" if abs(value) >= 2**31 else "i32"
-        signature.update({k: "constexpr" for k in constexprs})
-        # Tensors from the caching allocator are 16-byte aligned: mark them so.
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if signature.get(n, "").startswith("*")}
-        compiled = triton.compile(
-            ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-            target=GPUTarget("cuda", arch, 32),
-            options=options,
-        )
-        assert compiled.asm.get("cubin"), spec_id
-        if spec_id == "nhd-torch.float16":
-            # ALIGN=8 int16 elements: the row copy uses 16-byte vector accesses.
-            assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", compiled.asm["ptx"]), spec_id
-            assert re.search(r"st\.global(\.\w+)*\.v4\.b32", compiled.asm["ptx"]), spec_id
+    for arch in AOT_ARCHS:
+        for spec_id, (args, constexprs, options) in _aot_specs():
+            signature = {}
+            for name, value in zip(kernel.arg_names, args):
+                if isinstance(value, torch.Tensor):
+                    signature[name] = tl_int.get(value.dtype, "*i64")
+                else:
+                    signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+            # Tensors from the caching allocator are 16-byte aligned: mark them so.
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+                     if signature.get(n, "").startswith("*")}
+            compiled = compile_kernel(kernel, signature, constexprs, arch, options, label=spec_id, attrs=attrs)
+            if spec_id == "nhd-torch.float16":
+                # ALIGN=8 int16 elements: the row copy uses 16-byte vector accesses.
+                assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", compiled.asm["ptx"]), spec_id
+                assert re.search(r"st\.global(\.\w+)*\.v4\.b32", compiled.asm["ptx"]), spec_id
+
+
+def test_aot_compile_for_sm90_sm80():
+    """Compile the kernel with the launcher's configs for sm_90 and sm_80, no GPU needed.
+
+    One fresh process without TRITON_INTERPRET compiles them all (see aot_helpers).
+    """
+    compiled = compile_module_in_fresh_process("test_compact_kv")
+    assert compiled == expected_compiles(spec_id for spec_id, _ in _aot_specs())
 
 
 # ----------------------------------------------------------------- GPU
