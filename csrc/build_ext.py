@@ -36,10 +36,13 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-# sm_80 (A100) and sm_90 (H100/H200) SASS: the GPUs vtoken targets.
+# sm_80 (A100) and sm_90 (H100/H200) SASS: the GPUs vtoken targets. Plus
+# compute_90 PTX, which the driver JIT-compiles on newer GPUs (sm_100, ...):
+# without it the ops would load there and fail at launch with "no kernel image".
 DEFAULT_GENCODE = (
     "-gencode", "arch=compute_80,code=sm_80",
     "-gencode", "arch=compute_90,code=sm_90",
+    "-gencode", "arch=compute_90,code=compute_90",
 )
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr")
 
