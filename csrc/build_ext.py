@@ -22,7 +22,9 @@ Environment knobs:
 ``CUDA_HOME``             toolkit root (default: torch's guess, then nvcc's
                           location, then ``/usr/local/cuda``)
 ``VTOKEN_NVCC_GENCODE``   replaces the default ``-gencode`` flags, e.g.
-                          ``"-gencode arch=compute_90,code=sm_90"``
+                          ``"-gencode arch=compute_90,code=sm_90"``. On a GPU
+                          without code in the build, vtoken.ops falls back to
+                          Triton (vtoken::has_cuda_kernel_image tells).
 ``MAX_JOBS``              parallel compile jobs (nvcc and ninja)
 """
 from __future__ import annotations
