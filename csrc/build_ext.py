@@ -15,7 +15,8 @@ and CI builds the extension against the CPU torch with nvcc 13.0 so the
 binding path is tested there (the CUDA kernels are compiled, not run).
 
 New ``.cu`` / ``.cpp`` files are picked up by globbing ``csrc/``; nothing has to
-be registered here.
+be registered here. ``csrc/testing/`` is not globbed: its test-only ops stay out
+of the shipped library (the tests build them themselves).
 
 Environment knobs:
 

@@ -8,15 +8,20 @@ between layers) is compared bit for bit with the oracle, which copies rows one
 ``row_offset``, independently of the kernels' row merging.
 
 Backends: the torch reference, Triton (interpreter on CPU), the C++ CPU op
-``torch.ops.vtoken.compact_kv`` (when ``vtoken._C`` is built) and, on GPU,
-the CUDA op and Triton against the reference.
+``torch.ops.vtoken.compact_kv`` (when ``vtoken._C`` is built), the CUDA
+kernel's index math emulated on CPU (test-only ops from ``csrc/testing/``,
+built here) and, on GPU, the CUDA op and Triton against the reference.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.util
 import os
 import random
 import re
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -167,10 +172,27 @@ def run_backend(backend, caches, layout, src, dst, validate=None):
     elif backend in ("cpp", "cuda_emulated"):
         if validate:
             ref.check_slot_contract(layout, src, dst)
-        op = torch.ops.vtoken.compact_kv if backend == "cpp" else torch.ops.vtoken._compact_kv_cuda_emulated
+        op = torch.ops.vtoken.compact_kv if backend == "cpp" else cuda_emulation_ops().compact_kv_cuda_emulated
         op(caches, src, dst, *ref.layout_op_args(layout))
     else:
         raise AssertionError(backend)
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_emulation_ops():
+    """``torch.ops.vtoken_testing``: csrc/testing/ built into a CPU extension of its own, once per process.
+
+    The shipped vtoken._C leaves these test-only ops out. The extension needs
+    the C++ toolchain that built vtoken._C, hence ``needs_ext`` on its users.
+    """
+    from torch.utils.cpp_extension import load
+
+    csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+    build_dir = tempfile.mkdtemp(prefix="vtoken_testing_ops_")
+    atexit.register(shutil.rmtree, build_dir, ignore_errors=True)
+    load(name="vtoken_testing_ops", sources=[os.path.join(csrc, "testing", "compact_kv_emulated.cpp")],
+         extra_include_paths=[csrc], extra_cflags=["-O2"], build_directory=build_dir, is_python_module=False)
+    return torch.ops.vtoken_testing
 
 
 # cuda_emulated: the CUDA kernel's grid, vector numbering, addressing and
@@ -390,7 +412,7 @@ def test_cuda_access_width(variant, dtype, head_dim, misalign, vec_bytes):
     """The CUDA kernel uses the widest access that every row start allows."""
     _, caches, layout = build_caches(variant, dtype, 4, 16, 2, head_dim, 2, misalign=misalign)
     src, dst = random_moves(layout.num_slots, 5, 0)
-    width, threads, blocks = torch.ops.vtoken._compact_kv_cuda_config(caches, src, dst, *ref.layout_op_args(layout))
+    width, threads, blocks = cuda_emulation_ops().compact_kv_cuda_config(caches, src, dst, *ref.layout_op_args(layout))
     assert width == vec_bytes
     assert threads % 32 == 0 and 32 <= threads <= 256
     vectors = 2 * layout.rows_per_token * layout.head_dim * caches[0].element_size() // width
@@ -403,8 +425,18 @@ def test_cuda_emulated_more_layers_than_one_launch_holds():
     arena, caches, layout = build_caches("mla", torch.bfloat16, 6, 4, 1, 8, 300, seed=4)
     src, dst = random_moves(layout.num_slots, 7, 4)
     before = arena.snapshot()
-    torch.ops.vtoken._compact_kv_cuda_emulated(caches, src, dst, *ref.layout_op_args(layout))
+    cuda_emulation_ops().compact_kv_cuda_emulated(caches, src, dst, *ref.layout_op_args(layout))
     assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, layout, src, dst))
+
+
+@needs_ext
+def test_shipped_extension_has_no_test_ops():
+    """vtoken._C registers the ops, not the test-only CUDA emulation (csrc/testing/, built by these tests)."""
+    shipped = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("vtoken::")}
+    assert "vtoken::compact_kv" in shipped
+    assert not {n for n in shipped if "emulated" in n or "cuda_config" in n or n.startswith("vtoken::_")}, shipped
+    assert not hasattr(torch.ops.vtoken, "_compact_kv_cuda_emulated")
+    assert not hasattr(torch.ops.vtoken, "compact_kv_cuda_emulated")
 
 
 @needs_ext
