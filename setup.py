@@ -73,7 +73,8 @@ setup(
     install_requires=["numpy>=1.24", "torch>=2.4"],
     extras_require={
         # transformers 5.19 verified against torch 2.13 CPU (it pulls no torch); fidelity tests only.
-        "test": ["pytest", "hypothesis", "transformers==5.19.0", "safetensors>=0.4"],
+        # ninja: torch.utils.cpp_extension.load builds the test-only ops (csrc/testing/) with it.
+        "test": ["pytest", "hypothesis", "transformers==5.19.0", "safetensors>=0.4", "ninja"],
         "bench": ["matplotlib", "rich", "tabulate", "nvidia-ml-py"],
         "vllm": ["vllm==0.32.0"],
     },

@@ -8,7 +8,8 @@
 # dependencies the core test venv does not need.
 # Measured on the 2-core dev machine: fresh-venv setup 216 s, tests 292 s
 # (unit tests ~20 s; six LLM engines ~270 s, the tensor-parallel-2 one, marked
-# slow, ~60 s of it: add -m "vllm and not slow" to skip it).
+# slow, ~60 s of it: add -m "vllm and not slow" to skip it). The production
+# lane at the end runs the six engines again with VTOKEN_DEBUG_INVARIANTS=0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VTOKEN_VLLM_VENV:-.venv-vllm}"
@@ -28,4 +29,7 @@ VTOKEN_BUILD_CUDA=0 python -m pip install -q --no-build-isolation --no-deps -e .
 python -c "import vllm, torch; print(f'vllm {vllm.__version__}, torch {torch.__version__}')"
 echo "+ setup took $(( $(date +%s) - start )) s"
 python -m pytest -q -m vllm tests/test_vllm_connector.py tests/test_vllm_e2e.py
+# Production lane: end to end again with vtoken's debug checks off, as deployed.
+echo "+ production lane: VTOKEN_DEBUG_INVARIANTS=0"
+VTOKEN_DEBUG_INVARIANTS=0 python -m pytest -q -m "vllm and not debug_checks" tests/test_vllm_e2e.py
 echo "+ vllm tests total $(( $(date +%s) - start )) s"

@@ -15,14 +15,17 @@ and CI builds the extension against the CPU torch with nvcc 13.0 so the
 binding path is tested there (the CUDA kernels are compiled, not run).
 
 New ``.cu`` / ``.cpp`` files are picked up by globbing ``csrc/``; nothing has to
-be registered here.
+be registered here. ``csrc/testing/`` is not globbed: its test-only ops stay out
+of the shipped library (the tests build them themselves).
 
 Environment knobs:
 
 ``CUDA_HOME``             toolkit root (default: torch's guess, then nvcc's
                           location, then ``/usr/local/cuda``)
 ``VTOKEN_NVCC_GENCODE``   replaces the default ``-gencode`` flags, e.g.
-                          ``"-gencode arch=compute_90,code=sm_90"``
+                          ``"-gencode arch=compute_90,code=sm_90"``. On a GPU
+                          without code in the build, vtoken.ops falls back to
+                          Triton (vtoken::has_cuda_kernel_image tells).
 ``MAX_JOBS``              parallel compile jobs (nvcc and ninja)
 """
 from __future__ import annotations
@@ -36,10 +39,13 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-# sm_80 (A100) and sm_90 (H100/H200) SASS: the GPUs vtoken targets.
+# sm_80 (A100) and sm_90 (H100/H200) SASS: the GPUs vtoken targets. Plus
+# compute_90 PTX, which the driver JIT-compiles on newer GPUs (sm_100, ...):
+# without it the ops would load there and fail at launch with "no kernel image".
 DEFAULT_GENCODE = (
     "-gencode", "arch=compute_80,code=sm_80",
     "-gencode", "arch=compute_90,code=sm_90",
+    "-gencode", "arch=compute_90,code=compute_90",
 )
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr")
 

@@ -21,7 +21,7 @@ from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.reference import block_live_counts as ref
 import vtoken_kernels.block_live_counts as tk
 
-from aot_helpers import compile_kernel, run_without_interpreter
+from aot_helpers import AOT_ARCHS, compile_kernel, compile_module_in_fresh_process, expected_compiles
 
 HAS_EXT = ops.extension_loaded() and hasattr(torch.ops.vtoken, "block_live_counts")
 PAD = -1
@@ -206,27 +206,30 @@ def test_opcheck(with_alloc):
                           (slots, alive, alloc if with_alloc else None, 20, 16))
 
 
-def _aot_compile_all(arch: int) -> None:
-    """Compile both kernels as the launcher calls them; run in a process without TRITON_INTERPRET."""
-    specs = [
-        ("counts", tk._block_live_counts_kernel,
+def _aot_specs():
+    """(label, kernel, signature, constexprs) for both kernels, as the launcher calls them."""
+    return [
+        (f"counts-alloc{has_alloc}", tk._block_live_counts_kernel,
          {"slots_ptr": "*i32", "alive_ptr": "*i8", "allocated_ptr": "*i8", "counts_ptr": "*i32", "acc_ptr": "*i64",
           "num_tokens": "i32", "num_blocks": "i32", "block_size": "i32"},
          {"HAS_ALLOC": has_alloc, "BLOCK": tk.BLOCK})
         for has_alloc in (True, False)
     ] + [("waste_ratio", tk._waste_ratio_kernel, {"acc_ptr": "*i64", "f_ptr": "*fp32", "block_size": "i32"}, {})]
-    for name, kernel, signature, constexprs in specs:
-        compiled = compile_kernel(kernel, signature, constexprs, arch, tk.NUM_WARPS)
-        if name == "counts":
-            assert "atom.global" in compiled.asm["ptx"] or "red.global" in compiled.asm["ptx"], name
-        print("compiled", name, arch)
 
 
-@pytest.mark.parametrize("arch", [90, 80])
-def test_aot_compile_for_sm90_sm80(arch):
-    """Compile the kernels for sm_90 / sm_80 (no GPU), in a fresh process without TRITON_INTERPRET (see aot_helpers)."""
-    stdout = run_without_interpreter("test_block_live_counts", "_aot_compile_all", arch)
-    assert stdout.count("compiled") == 3
+def _aot_compile_all() -> None:
+    """Compile both kernels for every AOT arch; run in a process without TRITON_INTERPRET (see aot_helpers)."""
+    for arch in AOT_ARCHS:
+        for label, kernel, signature, constexprs in _aot_specs():
+            compiled = compile_kernel(kernel, signature, constexprs, arch, {"num_warps": tk.NUM_WARPS}, label=label)
+            if label.startswith("counts"):
+                assert "atom.global" in compiled.asm["ptx"] or "red.global" in compiled.asm["ptx"], label
+
+
+def test_aot_compile_for_sm90_sm80():
+    """Compile the kernels for sm_90 and sm_80 (no GPU), in one fresh process without TRITON_INTERPRET."""
+    compiled = compile_module_in_fresh_process("test_block_live_counts")
+    assert compiled == expected_compiles(label for label, *_ in _aot_specs())
 
 
 # ----------------------------------------------------------------- GPU

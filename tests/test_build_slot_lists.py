@@ -26,7 +26,7 @@ from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.reference import build_slot_lists as ref
 import vtoken_kernels.build_slot_lists as tk
 
-from aot_helpers import compile_kernel, run_without_interpreter
+from aot_helpers import AOT_ARCHS, compile_kernel, compile_module_in_fresh_process, expected_compiles
 
 HAS_EXT = ops.extension_loaded() and hasattr(torch.ops.vtoken, "build_slot_lists")
 POISON = -77  # neither a slot nor PAD
@@ -442,7 +442,7 @@ def test_opcheck(with_pos):
 
 
 def _aot_kernels():
-    """(name, kernel, signature, constexprs) for every kernel, as the launcher calls it."""
+    """(label, kernel, signature, constexprs) for every kernel, as the launchers call them."""
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     out = []
     for lens, cnt in (("*i64", "*i64"), ("*i32", "*i32"), ("*i64", "*i32")):
@@ -464,22 +464,21 @@ def _aot_kernels():
     return out
 
 
-def _aot_compile_all(arch: int) -> None:
-    """Compile every kernel for ``arch``; run in a process without TRITON_INTERPRET."""
-    for name, kernel, signature, constexprs in _aot_kernels():
-        num_warps = 4 if name.startswith("batch_prefix") else tk.NUM_WARPS
-        compile_kernel(kernel, signature, constexprs, arch, num_warps)
-        print("compiled", name, arch)
+def _aot_compile_all() -> None:
+    """Compile every kernel for every AOT arch; run in a process without TRITON_INTERPRET (see aot_helpers)."""
+    for arch in AOT_ARCHS:
+        for label, kernel, signature, constexprs in _aot_kernels():
+            num_warps = 4 if label.startswith("batch_prefix") else tk.NUM_WARPS
+            compile_kernel(kernel, signature, constexprs, arch, {"num_warps": num_warps}, label=label)
 
 
-@pytest.mark.parametrize("arch", [90, 80])
-def test_aot_compile_for_sm90_sm80(arch):
-    """Compile every kernel for sm_90 / sm_80 (no GPU): catches what the interpreter tolerates.
+def test_aot_compile_for_sm90_sm80():
+    """Compile every kernel for sm_90 and sm_80 (no GPU): catches what the interpreter tolerates.
 
-    It runs in a fresh process without TRITON_INTERPRET (see aot_helpers).
+    One fresh process without TRITON_INTERPRET compiles them all (see aot_helpers).
     """
-    stdout = run_without_interpreter("test_build_slot_lists", "_aot_compile_all", arch)
-    assert stdout.count("compiled") == len(_aot_kernels())
+    compiled = compile_module_in_fresh_process("test_build_slot_lists")
+    assert compiled == expected_compiles(label for label, *_ in _aot_kernels())
 
 
 # ----------------------------------------------------------------- GPU

@@ -8,20 +8,26 @@ between layers) is compared bit for bit with the oracle, which copies rows one
 ``row_offset``, independently of the kernels' row merging.
 
 Backends: the torch reference, Triton (interpreter on CPU), the C++ CPU op
-``torch.ops.vtoken.compact_kv`` (when ``vtoken._C`` is built) and, on GPU,
-the CUDA op and Triton against the reference.
+``torch.ops.vtoken.compact_kv`` (when ``vtoken._C`` is built), the CUDA
+kernel's index math emulated on CPU (test-only ops from ``csrc/testing/``,
+built here) and, on GPU, the CUDA op and Triton against the reference.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.util
 import os
 import random
 import re
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
 import torch
 
+from aot_helpers import AOT_ARCHS, compile_kernel, compile_module_in_fresh_process, expected_compiles
 from vtoken import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.layout import KVLayout
@@ -167,10 +173,29 @@ def run_backend(backend, caches, layout, src, dst, validate=None):
 
         compact_kv(caches, layout, src, dst)
     elif backend in ("cpp", "cuda_emulated"):
-        op = torch.ops.vtoken.compact_kv if backend == "cpp" else torch.ops.vtoken._compact_kv_cuda_emulated
+        if validate:
+            contracts.check_slot_contract(layout, src, dst)
+        op = torch.ops.vtoken.compact_kv if backend == "cpp" else cuda_emulation_ops().compact_kv_cuda_emulated
         op(caches, src, dst, *contracts.layout_op_args(layout))
     else:
         raise AssertionError(backend)
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_emulation_ops():
+    """``torch.ops.vtoken_testing``: csrc/testing/ built into a CPU extension of its own, once per process.
+
+    The shipped vtoken._C leaves these test-only ops out. The extension needs
+    the C++ toolchain that built vtoken._C, hence ``needs_ext`` on its users.
+    """
+    from torch.utils.cpp_extension import load
+
+    csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+    build_dir = tempfile.mkdtemp(prefix="vtoken_testing_ops_")
+    atexit.register(shutil.rmtree, build_dir, ignore_errors=True)
+    load(name="vtoken_testing_ops", sources=[os.path.join(csrc, "testing", "compact_kv_emulated.cpp")],
+         extra_include_paths=[csrc], extra_cflags=["-O2"], build_directory=build_dir, is_python_module=False)
+    return torch.ops.vtoken_testing
 
 
 # cuda_emulated: the CUDA kernel's grid, vector numbering, addressing and
@@ -418,9 +443,7 @@ def test_cuda_access_width(variant, dtype, head_dim, misalign, vec_bytes):
     """The CUDA kernel uses the widest access that every row start allows."""
     _, caches, layout = build_caches(variant, dtype, 4, 16, 2, head_dim, 2, misalign=misalign)
     src, dst = random_moves(layout.num_slots, 5, 0)
-    width, threads, blocks = torch.ops.vtoken._compact_kv_cuda_config(
-        caches, src, dst, *contracts.layout_op_args(layout)
-    )
+    width, threads, blocks = cuda_emulation_ops().compact_kv_cuda_config(caches, src, dst, *contracts.layout_op_args(layout))
     assert width == vec_bytes
     assert threads % 32 == 0 and 32 <= threads <= 256
     vectors = 2 * layout.rows_per_token * layout.head_dim * caches[0].element_size() // width
@@ -433,8 +456,18 @@ def test_cuda_emulated_more_layers_than_one_launch_holds():
     arena, caches, layout = build_caches("mla", torch.bfloat16, 6, 4, 1, 8, 300, seed=4)
     src, dst = random_moves(layout.num_slots, 7, 4)
     before = arena.snapshot()
-    torch.ops.vtoken._compact_kv_cuda_emulated(caches, src, dst, *contracts.layout_op_args(layout))
+    cuda_emulation_ops().compact_kv_cuda_emulated(caches, src, dst, *contracts.layout_op_args(layout))
     assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, layout, src, dst))
+
+
+@needs_ext
+def test_shipped_extension_has_no_test_ops():
+    """vtoken._C registers the ops, not the test-only CUDA emulation (csrc/testing/, built by these tests)."""
+    shipped = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("vtoken::")}
+    assert "vtoken::compact_kv" in shipped
+    assert not {n for n in shipped if "emulated" in n or "cuda_config" in n or n.startswith("vtoken::_")}, shipped
+    assert not hasattr(torch.ops.vtoken, "_compact_kv_cuda_emulated")
+    assert not hasattr(torch.ops.vtoken, "compact_kv_cuda_emulated")
 
 
 @needs_ext
@@ -471,40 +504,37 @@ def _aot_specs():
     return specs
 
 
-@pytest.mark.parametrize("arch", [90, 80])
-def test_aot_compile_for_sm90_sm80(arch):
-    """Compile the kernel with the launcher's configs for sm_90 / sm_80, no GPU needed."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
+def _aot_compile_all() -> None:
+    """Compile every spec for every AOT arch; run in a process without TRITON_INTERPRET (see aot_helpers)."""
     from vtoken_kernels import compact_kv as tk
 
     kernel = tk._compact_kv_kernel
-    # Under TRITON_INTERPRET=1, @triton.jit gives an interpreter wrapper.
-    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
     tl_int = {torch.uint8: "*u8", torch.int16: "*i16", torch.int32: "*i32"}
-    for spec_id, (args, constexprs, options) in _aot_specs():
-        signature = {}
-        for name, value in zip(fn.arg_names, args):
-            if isinstance(value, torch.Tensor):
-                signature[name] = tl_int.get(value.dtype, "*i64")
-            else:
-                signature[name] = "i64" if abs(value) >= 2**31 else "i32"
-        signature.update({k: "constexpr" for k in constexprs})
-        # Tensors from the caching allocator are 16-byte aligned: mark them so.
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if signature.get(n, "").startswith("*")}
-        compiled = triton.compile(
-            ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-            target=GPUTarget("cuda", arch, 32),
-            options=options,
-        )
-        assert compiled.asm.get("cubin"), spec_id
-        if spec_id == "nhd-torch.float16":
-            # ALIGN=8 int16 elements: the row copy uses 16-byte vector accesses.
-            assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", compiled.asm["ptx"]), spec_id
-            assert re.search(r"st\.global(\.\w+)*\.v4\.b32", compiled.asm["ptx"]), spec_id
+    for arch in AOT_ARCHS:
+        for spec_id, (args, constexprs, options) in _aot_specs():
+            signature = {}
+            for name, value in zip(kernel.arg_names, args):
+                if isinstance(value, torch.Tensor):
+                    signature[name] = tl_int.get(value.dtype, "*i64")
+                else:
+                    signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+            # Tensors from the caching allocator are 16-byte aligned: mark them so.
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+                     if signature.get(n, "").startswith("*")}
+            compiled = compile_kernel(kernel, signature, constexprs, arch, options, label=spec_id, attrs=attrs)
+            if spec_id == "nhd-torch.float16":
+                # ALIGN=8 int16 elements: the row copy uses 16-byte vector accesses.
+                assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", compiled.asm["ptx"]), spec_id
+                assert re.search(r"st\.global(\.\w+)*\.v4\.b32", compiled.asm["ptx"]), spec_id
+
+
+def test_aot_compile_for_sm90_sm80():
+    """Compile the kernel with the launcher's configs for sm_90 and sm_80, no GPU needed.
+
+    One fresh process without TRITON_INTERPRET compiles them all (see aot_helpers).
+    """
+    compiled = compile_module_in_fresh_process("test_compact_kv")
+    assert compiled == expected_compiles(spec_id for spec_id, _ in _aot_specs())
 
 
 # ----------------------------------------------------------------- GPU

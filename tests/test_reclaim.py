@@ -408,6 +408,7 @@ def test_finish_while_in_flight_leaks_nothing():
     rt.table.check_invariants()
 
 
+@pytest.mark.debug_checks  # commit() checks I1 only under VTOKEN_DEBUG_INVARIANTS
 def test_i1_detects_corrupted_copy(monkeypatch):
     rt = _sparse_runtime()
     real = ops.compact_kv

@@ -19,16 +19,13 @@ one bound serves all dtypes: rtol 1e-4, atol 1e-5 per unit of probability mass
 """
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 import zlib
 
 import pytest
 import torch
 
+from aot_helpers import AOT_ARCHS, compile_kernel, compile_module_in_fresh_process, expected_compiles
 from vtoken import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.layout import KVLayout, kv_cache_shape
@@ -36,8 +33,6 @@ from vtoken.reference.token_attention import token_attention as ref_attention
 from vtoken_kernels import contracts
 from vtoken_kernels import token_attention as tri_mod
 from vtoken_kernels.token_attention import token_attention as tri_attention
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LAYOUTS = ["vllm_flash", "vllm_fused", "nhd", "hnd"]  # vllm_flash: vLLM 0.32 FlashAttention [2, nb, S, H, D]
@@ -502,28 +497,6 @@ def test_empty_batch():
 
 # ---------------------------------------------------------------- AOT compile (sm_90, sm_80)
 
-_AOT_SCRIPT = r"""
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from vtoken_kernels import token_attention as m
-
-arch, specs = int(sys.argv[1]), json.loads(sys.argv[2])
-results = []
-for spec in specs:
-    fn = getattr(m, spec["kernel"])
-    sig = {}
-    for name in fn.arg_names:
-        if name in spec["constexprs"]:
-            sig[name] = "constexpr"
-        else:
-            sig[name] = spec["types"].get(name, "i32")
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=spec["constexprs"])
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": spec["num_warps"]})
-    results.append({"id": spec["id"], "has_cubin": bool(k.asm.get("cubin")), "shared": k.metadata.shared})
-print("AOT_RESULT " + json.dumps(results))
-"""
-
 _TL = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -581,28 +554,25 @@ def _aot_specs():
 _SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 
 
-@pytest.mark.parametrize("arch", [90, 80])
-def test_aot_compile_every_kernel(arch):
-    """Compile every Triton kernel (the launcher's configs) for sm_90 / sm_80 without a GPU.
+def _aot_compile_all() -> None:
+    """Compile every spec for every AOT arch; run in a process without TRITON_INTERPRET (see aot_helpers)."""
+    for arch in AOT_ARCHS:
+        for spec in _aot_specs():
+            fn = getattr(tri_mod, spec["kernel"])
+            signature = {n: spec["types"].get(n, "i32") for n in fn.arg_names if n not in spec["constexprs"]}
+            compiled = compile_kernel(fn, signature, spec["constexprs"], arch, {"num_warps": spec["num_warps"]},
+                                      label=spec["id"])
+            assert compiled.metadata.shared <= _SMEM_LIMIT[arch], (spec["id"], arch, compiled.metadata.shared)
 
-    Runs in a subprocess without TRITON_INTERPRET, where @triton.jit gives real
-    JITFunctions; the interpreter tolerates code the compiler rejects.
+
+def test_aot_compile_for_sm90_sm80():
+    """Compile every Triton kernel (the launcher's configs) for sm_90 and sm_80 without a GPU.
+
+    One fresh process without TRITON_INTERPRET compiles them all (see
+    aot_helpers); the interpreter tolerates code the compiler rejects.
     """
-    specs = _aot_specs()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), ROOT, env.get("PYTHONPATH", "")])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT, str(arch), json.dumps(specs)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("AOT_RESULT ")][-1]
-    results = json.loads(line[len("AOT_RESULT "):])
-    assert [r["id"] for r in results] == [s["id"] for s in specs]
-    for r in results:
-        assert r["has_cubin"], r
-        assert r["shared"] <= _SMEM_LIMIT[arch], r
+    compiled = compile_module_in_fresh_process("test_token_attention")
+    assert compiled == expected_compiles(spec["id"] for spec in _aot_specs())
 
 
 # ---------------------------------------------------------------- GPU

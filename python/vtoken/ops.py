@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import warnings
 
 import torch
 
@@ -38,6 +39,34 @@ def has_extension_op(name: str) -> bool:
     return extension_loaded() and hasattr(torch.ops.vtoken, name)
 
 
+def extension_runs_on(device: torch.device) -> bool:
+    """Whether ``vtoken._C``'s ops can run on ``device``: always on CPU; on a GPU, when it holds code for it."""
+    if device.type != "cuda":
+        return True
+    return _extension_has_cuda_image(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _extension_has_cuda_image(index: int) -> bool:
+    """Asks the CUDA runtime once per device (see :func:`extension_runs_on`).
+
+    NOTE: the extension carries SASS for the archs it was built for plus
+    compute_90 PTX (csrc/build_ext.py); on a GPU it has no code for, its ops
+    load and then fail at launch with "no kernel image", so dispatch asks up
+    front. Only with CUDA available; no exception is caught to find out.
+    """
+    if not has_extension_op("has_cuda_kernel_image"):
+        return True  # a vtoken._C built before the query existed: dispatch as it always did
+    return torch.cuda.is_available() and bool(torch.ops.vtoken.has_cuda_kernel_image(index))
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_kernel_image(op: str, device: str) -> None:
+    """One line per (op, device) when dispatch skips the extension op."""
+    warnings.warn(f"vtoken: vtoken._C has no kernel image for {device}; {op} falls back to Triton "
+                  f"(rebuild with VTOKEN_NVCC_GENCODE for this GPU)", RuntimeWarning, stacklevel=3)
+
+
 def _triton_usable(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
@@ -52,11 +81,16 @@ def select_backend(op: str, device: torch.device, *, has_cuda_impl: bool = True)
             raise InvalidArgumentError(f"VTOKEN_BACKEND: expected one of {BACKENDS}, got {forced!r}")
         if forced == "cuda" and not (has_cuda_impl and has_extension_op(op)):
             raise InvalidArgumentError(f"VTOKEN_BACKEND=cuda: the extension op vtoken::{op} is not available")
+        if forced == "cuda" and not extension_runs_on(device):
+            raise InvalidArgumentError(f"VTOKEN_BACKEND=cuda: expected a vtoken._C with code for {device}'s GPU, "
+                                       "got one with no kernel image for it")
         if forced == "triton" and not _triton_usable(device):
             raise InvalidArgumentError("VTOKEN_BACKEND=triton: Triton needs CUDA or TRITON_INTERPRET=1")
         return forced
     if has_cuda_impl and has_extension_op(op):
-        return "cuda"
+        if extension_runs_on(device):
+            return "cuda"
+        _warn_no_kernel_image(op, str(device))
     if _triton_usable(device):
         return "triton"
     return "torch"
