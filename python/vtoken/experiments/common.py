@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError, VTokenError
+from vtoken.errors import InvalidArgumentError, VTokenError, check_int
 
 MODEL_PRESETS = {
     # init_std 0.2 (not 0.02) gives the random model peaked attention, so score-based policies
@@ -48,12 +48,6 @@ class MissingExtraError(VTokenError, ImportError):
 
 
 # ----------------------------------------------------------------------------- checks
-def check_int(name: str, v, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
-        raise InvalidArgumentError(f"{name}: expected an int >= {minimum}, got {v!r}")
-    return int(v)
-
-
 def check_ratio(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < float(v) < 1.0:
         raise InvalidArgumentError(f"{name}: expected a value in (0, 1), got {v!r}")
@@ -73,10 +67,10 @@ def check_run_options(cfg, ints: Sequence[str]) -> None:
     ``window`` None or >= 0, each field named in ``ints`` >= 1, ``seed`` >= 0."""
     check_ratio("evict_ratio", cfg.evict_ratio)
     if cfg.window is not None:
-        check_int("window", cfg.window, minimum=0)
+        check_int("window", cfg.window)
     for name in ints:
-        check_int(name, getattr(cfg, name))
-    check_int("seed", cfg.seed, minimum=0)
+        check_int(name, getattr(cfg, name), min_value=1)
+    check_int("seed", cfg.seed)
 
 
 def parse_int_list(name: str, text) -> tuple:
@@ -90,7 +84,7 @@ def parse_int_list(name: str, text) -> tuple:
         vals = list(text)
     if not vals:
         raise InvalidArgumentError(f"{name}: expected at least one value, got none")
-    vals = [check_int(name, v) for v in vals]
+    vals = [check_int(name, v, min_value=1) for v in vals]
     if len(set(vals)) != len(vals):
         raise InvalidArgumentError(f"{name}: expected unique values, got {vals}")
     return tuple(vals)
@@ -111,7 +105,7 @@ class ModelSpec:
         if self.path is None and self.preset not in MODEL_PRESETS:
             raise InvalidArgumentError(f"model_preset: expected one of {sorted(MODEL_PRESETS)}, got {self.preset!r}")
         if self.threads is not None:
-            check_int("threads", self.threads)
+            check_int("threads", self.threads, min_value=1)
 
     def resolved_device(self):
         import torch

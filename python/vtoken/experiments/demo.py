@@ -37,12 +37,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from vtoken.errors import InvalidArgumentError
+from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import (
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
-    check_int,
     check_policy,
     check_run_options,
     full_blocks,
@@ -76,7 +75,7 @@ class DemoConfig:
         if isinstance(self.theta_f, bool) or not isinstance(self.theta_f, (int, float)) or not 0 <= self.theta_f < 1:
             raise InvalidArgumentError(f"theta_f: expected a value in [0, 1), got {self.theta_f!r}")
         check_run_options(self, ("requests", "prompt_len", "output_len", "block_size"))
-        check_int("num_blocks", self.num_blocks, minimum=2)
+        check_int("num_blocks", self.num_blocks, min_value=2)
         need = self.requests * full_blocks(self.prompt_len, self.output_len, self.block_size)
         have = self.num_blocks - 1 - headroom_blocks(self.num_blocks)
         if need > have:

@@ -40,7 +40,7 @@ from typing import Optional
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError
+from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
 from vtoken.table import TokenTable
@@ -69,9 +69,7 @@ class FragmentationConfig:
         if not 0.0 <= float(self.evict_ratio) <= 1.0:
             raise InvalidArgumentError(f"evict_ratio: expected a value in [0, 1], got {self.evict_ratio}")
         for name in ("requests", "context", "block_size"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise InvalidArgumentError(f"{name}: expected an int >= 1, got {v!r}")
+            check_int(name, getattr(self, name), min_value=1)
 
 
 @dataclass

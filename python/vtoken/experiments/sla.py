@@ -43,11 +43,10 @@ from typing import Optional
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError
+from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import (
     ModelSpec,
     Progress,
-    check_int,
     check_policy,
     check_run_options,
     make_prompts,
@@ -79,7 +78,7 @@ class SlaConfig:
         check_policy(self.policy)
         self.concurrency = parse_int_list("concurrency", self.concurrency)
         check_run_options(self, ("rounds", "prompt_len", "output_len", "block_size", "sla_concurrency"))
-        check_int("num_blocks", self.num_blocks, minimum=2)
+        check_int("num_blocks", self.num_blocks, min_value=2)
         if self.sla_concurrency not in self.concurrency:
             raise InvalidArgumentError(
                 f"sla_concurrency: expected one of the swept concurrencies {list(self.concurrency)}, "

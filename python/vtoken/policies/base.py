@@ -52,6 +52,7 @@ from vtoken.errors import (
     InvariantViolation,
     as_index_array,
     check_int,
+    is_int,
 )
 from vtoken.policies.ids import check_live_ids, is_member
 from vtoken.policies.scores import ScoreAccumulator, as_numpy_scores
@@ -83,7 +84,7 @@ class ReplayDivergenceError(InvalidArgumentError):
 
 def request_seed(request_id: Hashable) -> int:
     """A process-independent non-negative int for ``request_id`` (``hash(str)`` is salted per process)."""
-    if isinstance(request_id, (int, np.integer)) and not isinstance(request_id, bool) and request_id >= 0:
+    if is_int(request_id) and request_id >= 0:
         return int(request_id)
     return zlib.crc32(repr(request_id).encode())
 
@@ -131,7 +132,7 @@ class Budget:
             return cls(**value)
         if isinstance(value, (float, np.floating)):
             return cls(ratio=float(value))
-        if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        if is_int(value):
             return cls(cap=int(value))
         raise InvalidTypeError(
             f"budget: expected a float ratio in (0, 1), an int cap >= 1, a dict or a Budget, got {value!r}"
