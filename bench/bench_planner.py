@@ -187,7 +187,7 @@ def bench_steps(R, L, S, k, steps, label, mode, **cfg) -> dict:
         "planner_us_median": statistics.median(plan_us), "commit_us_median": statistics.median(commit_us),
         "plans_per_step": statistics.mean(plans), "moves_per_step": statistics.mean(moves),
         "F_before": round(F0, 4), "F_after": round(table.ledger.waste_ratio, 4),
-        "blocks_freed": int(sum(r.freed_blocks for r in mgr.metrics.records)),
+        "blocks_freed": int(mgr.metrics.totals.freed_blocks),
     }
 
 

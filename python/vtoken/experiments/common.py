@@ -244,14 +244,13 @@ def summarize_mode(eng, outputs: list, seconds: float) -> ModeRun:
     S = eng.config.block_size
     retained = np.array([r.retained_blocks for r in fin], dtype=np.int64)
     live = np.array([r.live_tokens for r in fin], dtype=np.int64)
-    f = [rec.waste_ratio for rec in eng.reclaimer.metrics.records if rec.allocated_blocks > 0]
     peak_req = max(r.peak_blocks for r in fin)
     s = eng.summary()
     return ModeRun(
         mode=eng.mode, outputs=outputs, summary=s,
         retained_blocks_per_request=float(retained.mean()),
         utilization=float(live.sum() / (retained.sum() * S)),
-        waste_ratio_mean=float(np.mean(f)) if f else 0.0,
+        waste_ratio_mean=float(eng.reclaimer.metrics.totals.mean_waste_ratio),
         ideal_blocks_per_request=float(np.mean(-(-live // S))),
         peak_blocks=int(eng.peak_blocks), peak_blocks_per_request=int(peak_req),
         usable_blocks=int(eng.usable_blocks), max_concurrency=int(eng.usable_blocks // peak_req),

@@ -441,9 +441,8 @@ def _utilization(util: list) -> tuple[Optional[float], Optional[float]]:
 
 
 def _reclaim_totals(mgr: ReclamationManager) -> tuple[int, int, int]:
-    recs = mgr.metrics.records
-    return (sum(r.moves for r in recs), sum(r.freed_blocks - r.dst_blocks for r in recs),
-            sum(r.plans for r in recs))
+    t = mgr.metrics.totals  # running totals: the metrics ring keeps only the newest steps
+    return t.moves, t.freed_blocks - t.dst_blocks, t.plans
 
 
 def _tick(progress, label: str, j: int, n: int) -> None:
