@@ -42,7 +42,9 @@ from vtoken.experiments.common import (
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
+    check_kv_cache,
     check_policy,
+    check_pool,
     check_run_options,
     full_blocks,
     headroom_blocks,
@@ -76,6 +78,7 @@ class DemoConfig:
             raise InvalidArgumentError(f"theta_f: expected a value in [0, 1), got {self.theta_f!r}")
         check_run_options(self, ("requests", "prompt_len", "output_len", "block_size"))
         check_int("num_blocks", self.num_blocks, min_value=2)
+        check_pool("num_blocks", self.num_blocks, self.num_blocks, self.block_size)
         need = self.requests * full_blocks(self.prompt_len, self.output_len, self.block_size)
         have = self.num_blocks - 1 - headroom_blocks(self.num_blocks)
         if need > have:
@@ -112,6 +115,7 @@ def run_demo(cfg: DemoConfig, *, progress: Optional[Progress] = None) -> DemoRes
 
     t0 = time.perf_counter()
     model = cfg.model.build()
+    check_kv_cache("num_blocks", cfg.num_blocks, model, cfg.num_blocks, cfg.block_size)
     prompts = make_prompts(cfg.requests, cfg.prompt_len, model.config.vocab_size, cfg.seed)
     engine_cfg = resident_engine_config(cfg, cfg.num_blocks, dict(EAGER_RECLAIM, theta_F=float(cfg.theta_f)))
     warm_up(model, engine_cfg, cfg.prompt_len)

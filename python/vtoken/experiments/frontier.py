@@ -73,6 +73,7 @@ import numpy as np
 
 from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, check_int
+from vtoken.experiments.common import check_kv_cache, check_memory, check_pool
 from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
 from vtoken.reclaim import MODES, ReclaimConfig, ReclamationManager
@@ -108,6 +109,10 @@ FRONTIER_RECLAIM = {
     "check_invariants": False,
 }
 HEADROOM_FACTOR = 1.5  # reserve = 1.5x one step's expected destinations (see the NOTE above)
+# NOTE: peak host memory of a trace-only search per pool slot (num_blocks x S), default request:
+# 299 B (tracemalloc) at 1025 blocks, 179 B at 4097 and 258 B (max RSS growth) at 8193; 320 allows
+# for the spread. The run's table, ledger, trace and probes all grow with the pool.
+TRACE_ONLY_BYTES_PER_SLOT = 320
 
 
 def headroom_for(concurrency: int, block_size: int) -> int:
@@ -156,6 +161,7 @@ class FrontierConfig:
     def __post_init__(self):
         check_int("num_blocks", self.num_blocks, min_value=2)
         check_int("block_size", self.block_size, min_value=1)
+        check_pool("num_blocks", self.num_blocks, self.num_blocks, self.block_size)
         check_int("prompt_len", self.prompt_len, min_value=1)
         check_int("output_len", self.output_len, min_value=1)
         check_int("seed", self.seed)
@@ -646,6 +652,8 @@ def run_frontier(cfg: FrontierConfig, *, model=None, progress=None) -> FrontierR
     t0 = time.perf_counter()
     trace = None
     if cfg.trace_only:
+        check_memory("num_blocks", cfg.num_blocks, cfg.num_blocks * cfg.block_size * TRACE_ONLY_BYTES_PER_SLOT,
+                     "trace-only run")
         trace = VictimTrace(cfg)  # one trace, replayed by every mode at every C
 
         def simulator(mode):
@@ -655,6 +663,7 @@ def run_frontier(cfg: FrontierConfig, *, model=None, progress=None) -> FrontierR
             from vtoken.experiments.common import ModelSpec
 
             model = ModelSpec(seed=cfg.seed).build()
+        check_kv_cache("num_blocks", cfg.num_blocks, model, cfg.num_blocks, cfg.block_size)
 
         def simulator(mode):
             return lambda C: simulate_engine(cfg, mode, C, model, progress)

@@ -25,12 +25,31 @@ from typing import Optional
 import numpy as np
 
 from vtoken.errors import check_int
-from vtoken.experiments.common import ModelSpec, Progress, check_policy, make_prompts, policy_config
+from vtoken.experiments.common import (
+    MODEL_PRESETS,
+    ModelSpec,
+    Progress,
+    check_policy,
+    kv_bytes_per_token,
+    make_prompts,
+    policy_config,
+)
 
 # NOTE: prefill in chunks of 256 queries: a 4096-token prompt of the tiny model took 1.6 s in chunks
 # of 256 vs 2.0 s (512), 3.8 s (1024) and 7.5 s in one piece on CPU (torch reference attention,
 # 1 thread), whose per-chunk score tensor is [heads, chunk, context].
 PREFILL_CHUNK = 256
+
+
+def peak_bytes(context: int) -> int:
+    """Estimated peak memory of one request's prefill: its KV cache and the attention scores.
+
+    The scores of a chunk are [heads, chunk, context] float32, and a few such tensors are
+    alive at once in the torch reference attention (scores, probabilities, their sum): x3.
+    """
+    tiny = MODEL_PRESETS["tiny"]
+    scores = 3 * 4 * tiny["num_heads"] * min(PREFILL_CHUNK, context)
+    return context * (kv_bytes_per_token(tiny) + scores)
 
 
 def make_policy(policy: str, evict_ratio: float, window: Optional[int] = None):
