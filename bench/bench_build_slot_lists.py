@@ -36,11 +36,8 @@ Usage: ``python bench/bench_build_slot_lists.py [--quick]``; writes
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (  # noqa: E402
+from common import (
     bench_device,
     copy_bandwidth_gbs,
     gbs,

@@ -32,10 +32,8 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (  # noqa: E402
+from common import (
     bench_device,
     copy_bandwidth_gbs,
     gbs,

@@ -69,8 +69,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
 # NOTE: the debug flag adds invariant hashes and host syncs to every step; timings need it off.
 os.environ["VTOKEN_DEBUG_INVARIANTS"] = "0"

@@ -31,21 +31,18 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import host_time, print_table, write_json  # noqa: E402
+from common import host_time, print_table, write_json
 
-from vtoken.ledger import BlockLedger  # noqa: E402
-from vtoken.planner import make_plan, select_sources  # noqa: E402
-from vtoken.pool import BlockPool  # noqa: E402
-from vtoken.reclaim import ReclaimConfig, ReclamationManager  # noqa: E402
-from vtoken.table import TokenTable  # noqa: E402
+from vtoken.ledger import BlockLedger
+from vtoken.planner import make_plan, select_sources
+from vtoken.pool import BlockPool
+from vtoken.reclaim import ReclaimConfig, ReclamationManager
+from vtoken.table import TokenTable
 
 
 def python_planner(slots, alive, cand_blocks, cand_live, S, max_src, dst_blocks_pool):
@@ -187,7 +184,7 @@ def bench_steps(R, L, S, k, steps, label, mode, **cfg) -> dict:
         "planner_us_median": statistics.median(plan_us), "commit_us_median": statistics.median(commit_us),
         "plans_per_step": statistics.mean(plans), "moves_per_step": statistics.mean(moves),
         "F_before": round(F0, 4), "F_after": round(table.ledger.waste_ratio, 4),
-        "blocks_freed": int(sum(r.freed_blocks for r in mgr.metrics.records)),
+        "blocks_freed": int(mgr.metrics.totals.freed_blocks),
     }
 
 

@@ -25,22 +25,19 @@ layout), 32 requests x 2K tokens with half evicted at random.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
-from vtoken.layout import KVLayout, kv_cache_shape  # noqa: E402
-from vtoken.ledger import BlockLedger  # noqa: E402
-from vtoken.pool import BlockPool  # noqa: E402
-from vtoken.reclaim import ReclaimConfig, ReclamationManager  # noqa: E402
-from vtoken.table import TokenTable  # noqa: E402
+from vtoken.layout import KVLayout, kv_cache_shape
+from vtoken.ledger import BlockLedger
+from vtoken.pool import BlockPool
+from vtoken.reclaim import ReclaimConfig, ReclamationManager
+from vtoken.table import TokenTable
 
 
 def sizes(quick: bool) -> dict:

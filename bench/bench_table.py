@@ -20,19 +20,16 @@ semantics, timed in the same process, and the ratio of the two.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
-from vtoken.ledger import BlockLedger  # noqa: E402
-from vtoken.pool import BlockPool  # noqa: E402
-from vtoken.table import TokenTable  # noqa: E402
+from vtoken.ledger import BlockLedger
+from vtoken.pool import BlockPool
+from vtoken.table import TokenTable
 
 
 class DictTable:

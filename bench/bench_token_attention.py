@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (  # noqa: E402
+from common import (
     copy_bandwidth_gbs,
     gbs,
     on_gpu,

@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 
 def prepare_kernel_env() -> None:

@@ -232,6 +232,91 @@ def test_policy_victims_contract():
     assert all(len(x) == 0 for x in policy_victims("h2o", requests=2, context=64, evict_ratio=0.0))
 
 
+# ---------------------------------------------------------------------------------- bad sizes
+def exit_2_line(capsys, argv) -> str:
+    """Run the CLI expecting a usage error; return its one error line (no traceback)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("policies, what", [("", "at least one policy, got none"),
+                                            (",", "at least one policy, got none"),
+                                            (" , ", "at least one policy, got none"),
+                                            ("h2o,tova,h2o", "unique policies, got ['h2o', 'tova', 'h2o']")])
+def test_retained_rejects_an_empty_or_repeated_policy_list(capsys, policies, what):
+    assert exit_2_line(capsys, ["retained", "--policies", policies]) == f"vtoken retained: error: policies: expected {what}"
+
+
+SLOTS = "expected a pool of at most 134217728 blocks of 16 tokens (int32 slot ids), got"
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["demo", "--num-blocks", "10000000000"], f"num_blocks: {SLOTS} 10000000000"),
+    (["sla", "--num-blocks", "100000000000"], f"num_blocks: {SLOTS} 100000000000"),
+    (["retained", "--requests", "100000000"], f"requests: {SLOTS} 100000000, which needs 1632653063"),
+    (["retained", "--prompt-len", "100000000000"],
+     f"prompt_len + output_len: {SLOTS} 100000000128, which needs 6250000009"),
+    (["prefix", "--requests", "100000000", "--degrees", "1"], f"requests: {SLOTS} 100000000, which needs 1428571430"),
+    (["frontier", "--trace-only", "--num-blocks", "1000000000000"], f"num_blocks: {SLOTS} 1000000000000"),
+])
+def test_sizes_past_int32_slots_are_refused_before_any_model(capsys, monkeypatch, argv, line):
+    from vtoken.experiments.common import ModelSpec
+
+    built = []
+    monkeypatch.setattr(ModelSpec, "build", lambda self: built.append(self))
+    assert exit_2_line(capsys, argv) == f"vtoken {argv[0]}: error: {line}"
+    assert built == []
+
+
+def test_sla_prompts_beyond_memory_are_refused_before_any_model(capsys, monkeypatch):
+    from vtoken.experiments.common import ModelSpec
+
+    built = []
+    monkeypatch.setattr(ModelSpec, "build", lambda self: built.append(self))
+    line = exit_2_line(capsys, ["sla", "--rounds", "1000000000000"])
+    assert line.startswith("vtoken sla: error: rounds: expected at most ") and " of prompts (this machine's memory), " \
+        "got 1000000000000, which needs about " in line
+    assert built == []
+
+
+@pytest.mark.parametrize("argv, arg", [(DEMO, "num_blocks"),
+                                       (["retained", "--policies", "h2o", "--requests", "2", *TINY], "requests"),
+                                       (["sla", "--num-blocks", "48", *TINY], "num_blocks")])
+def test_kv_cache_beyond_memory_is_refused_before_any_engine(capsys, monkeypatch, argv, arg):
+    import vtoken.engine.scheduler
+    import vtoken.experiments.common as common
+
+    engines = []
+    monkeypatch.setattr(vtoken.engine.scheduler, "Engine", lambda *a, **kw: engines.append(a))
+    monkeypatch.setattr(common, "memory_bytes", lambda device=None: 50 * 2**10)  # prompts fit, the KV cache not
+    line = exit_2_line(capsys, argv)
+    assert line.startswith(f"vtoken {argv[0]}: error: {arg}: expected at most 0.0 MiB of KV cache (this machine's")
+    assert engines == []
+
+
+def test_kv_bytes_per_token_matches_the_allocated_cache():
+    from vtoken.experiments.common import MODEL_PRESETS, ModelSpec, kv_bytes_per_token
+
+    model = ModelSpec(device="cpu").build()
+    caches, _ = model.allocate_kv_caches(6, 4)
+    assert sum(t.numel() * t.element_size() for t in caches) == 6 * 4 * kv_bytes_per_token(model.config)
+    assert kv_bytes_per_token(MODEL_PRESETS["tiny"]) == kv_bytes_per_token(model.config) == 2 * 2 * 2 * 16 * 4
+    assert kv_bytes_per_token(MODEL_PRESETS["gpu"]) == 2 * 22 * 4 * 64 * 2  # TinyLlama's shape in bf16
+
+
+def test_fit_num_blocks_is_the_smallest_pool_that_fits():
+    from vtoken.experiments.common import fit_num_blocks, headroom_blocks
+
+    for requests in (1, 3, 8, 50):
+        for per in (1, 7, 16, 100, 1000):
+            need, n = requests * per, fit_num_blocks(requests, per)
+            assert n - 1 - headroom_blocks(n) >= need and (n - 1) - 1 - headroom_blocks(n - 1) < need
+
+
 # ---------------------------------------------------------------------------------- plot, progress
 def test_plot_writes_png(capsys, tmp_path):
     pytest.importorskip("matplotlib")

@@ -183,3 +183,65 @@ def test_subprocess_json(entry):
     assert set(got) == KEYS
     assert abs(got["waste_ratio"] - 0.5) < 0.05
     assert got["frac_blocks_le_50pct"] == pytest.approx(0.598, abs=0.02)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--seed", "-1"], "seed: expected an int >= 0, got -1"),
+    (["--requests", "1000000000000"],
+     "requests: expected a pool of at most 134217728 blocks of 16 tokens (int32 slot ids), got 1000000000000, "
+     "which needs 256000000000001"),
+    (["--context", "1099511627776"],
+     "context: expected a pool of at most 134217728 blocks of 16 tokens (int32 slot ids), got 1099511627776, "
+     "which needs 68719476737"),
+    (["--context", "2147483648", "--block-size", "1"],
+     "context: expected a pool of at most 2147483648 blocks of 1 tokens (int32 slot ids), got 2147483648, "
+     "which needs 2147483649"),
+])
+def test_bad_sizes_exit_2_with_one_line_before_allocating(capsys, monkeypatch, args, line):
+    import vtoken.experiments.fragmentation as frag
+
+    pools = []
+    monkeypatch.setattr(frag, "BlockPool", lambda n: pools.append(n))  # nothing may be allocated
+    with pytest.raises(SystemExit) as e:
+        main(["fragmentation", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == f"vtoken fragmentation: error: {line}"
+    assert pools == []
+
+
+@pytest.mark.parametrize("args, memory, arg", [
+    ([], 2**24, "requests"),  # 64 x 4096 tokens: about 30 MiB, one request 0.5 MiB
+    (["--requests", "1", "--context", "1000000"], 2**24, "context"),  # one request alone: about 110 MiB
+    (["--requests", "1", "--context", "10000", "--policy", "h2o"], 2**24, "context"),  # the policy's prefill counts
+])
+def test_sizes_beyond_memory_are_refused_naming_the_option(capsys, monkeypatch, args, memory, arg):
+    import vtoken.experiments.common as common
+    import vtoken.experiments.fragmentation as frag
+
+    monkeypatch.setattr(common, "memory_bytes", lambda device=None: memory)
+    pools = []
+    monkeypatch.setattr(frag, "BlockPool", lambda n: pools.append(n))
+    with pytest.raises(SystemExit) as e:
+        main(["fragmentation", *args])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"vtoken fragmentation: error: {arg}: expected at most 16.0 MiB of token table")
+    assert "(this machine's memory), got " in last and pools == []
+
+
+def test_size_estimate_covers_a_measured_run():
+    """The memory estimate bounds what a run really allocates (tracemalloc peak), within 2x."""
+    import tracemalloc
+
+    from vtoken.experiments.fragmentation import host_bytes
+
+    for S, R, L in ((1, 8, 8192), (16, 8, 8192), (16, 1024, 16)):
+        cfg = FragmentationConfig(requests=R, context=L, block_size=S, evict_ratio=1.0)
+        tracemalloc.start()
+        try:
+            run_fragmentation(cfg)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert 0.5 * host_bytes(R, L, S) < peak <= host_bytes(R, L, S), (S, R, L, peak)

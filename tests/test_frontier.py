@@ -261,6 +261,25 @@ def test_cli_bad_option(capsys):
     assert e.value.code == 2 and "evict_ratio: expected a value in [0, 1)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("trace_only", [True, False])
+def test_cli_pool_beyond_memory_is_refused_before_any_probe(capsys, monkeypatch, trace_only):
+    """193 blocks of 16: the trace-only run's ~1 MiB (320 B per slot) or the tiny model's 1.5 MiB KV cache."""
+    import vtoken.experiments.common as common
+    import vtoken.experiments.frontier as frontier
+
+    probes = []
+    monkeypatch.setattr(frontier, "search_mode", lambda *a: probes.append(a))
+    monkeypatch.setattr(common, "memory_bytes", lambda device=None: 2**19)
+    with pytest.raises(SystemExit) as e:
+        main(["frontier", *(["--trace-only"] if trace_only else ["--device", "cpu"]), "--num-blocks", "193"])
+    assert e.value.code == 2
+    what = "trace-only run" if trace_only else "KV cache"
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"vtoken frontier: error: num_blocks: expected at most 0.5 MiB of {what} (this machine's")
+    assert last.endswith(", got 193, which needs about " + ("0.9 MiB" if trace_only else "1.5 MiB"))
+    assert probes == []
+
+
 # ----------------------------------------------------------------------------- the paper's setting
 # The paper's request scaled down 8x: 1024 + 1009 tokens (2032 KV tokens = 127 blocks), a
 # 1024-token budget (64 blocks), 679 blocks (5427 / 8): native 678 // 127 = 5.

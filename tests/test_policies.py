@@ -804,6 +804,28 @@ def test_code_lines_counter(tmp_path):
     assert code_lines(path) == 2
 
 
+def imported_modules(path: pathlib.Path) -> set:
+    """Every module (and ``module.name``) a file imports, at top level or inside a function."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path.name}: relative import of {node.module!r}"  # absolute imports only
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+@pytest.mark.parametrize("name", ["scores", "ids"])
+def test_score_and_id_modules_do_not_import_the_policy_contract(name):
+    """base imports scores and ids; neither may import base back (no import cycle, not even a lazy one)."""
+    mods = imported_modules(POLICY_DIR / f"{name}.py")
+    assert not {m for m in mods if m == "vtoken.policies" or m.startswith("vtoken.policies.base")}, mods
+    if name == "scores":
+        assert "vtoken.policies.ids.check_live_ids" in mods
+    assert "vtoken.policies.scores.ScoreAccumulator" in imported_modules(POLICY_DIR / "base.py")
+
+
 @pytest.mark.parametrize("module", [policy_base, policy_scores] + [getattr(P, n) for n in NAMES])
 def test_docstring_examples_run(module):
     failures, tried = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

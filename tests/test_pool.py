@@ -95,9 +95,9 @@ def test_refcounts_incref_decref():
         (lambda p, b: p.free(np.array([[b]])), InvalidTypeError, "ids: expected a 1-D array"),
         (lambda p, b: p.incref([5]), InvalidArgumentError, "ids: expected allocated blocks"),
         (lambda p, b: p.incref([0]), InvalidArgumentError, "ids: "),
-        (lambda p, b: p.allocate(-1), InvalidArgumentError, "n: "),
-        (lambda p, b: p.allocate(1.0), InvalidArgumentError, "n: "),
-        (lambda p, b: p.allocate(True), InvalidArgumentError, "n: "),
+        (lambda p, b: p.allocate(-1), InvalidArgumentError, "n: expected an int >= 0, got -1"),
+        (lambda p, b: p.allocate(1.0), InvalidTypeError, "n: expected an int >= 0, got float 1.0"),
+        (lambda p, b: p.allocate(True), InvalidTypeError, "n: expected an int >= 0, got bool True"),
     ],
 )
 def test_bad_input_raises_and_changes_nothing(call, exc, match):
@@ -109,9 +109,12 @@ def test_bad_input_raises_and_changes_nothing(call, exc, match):
     assert_same(before, pool_state(pool))
 
 
-@pytest.mark.parametrize("bad", [1, 0, -3, 2.0, True, "8"])
-def test_constructor_rejects_bad_sizes(bad):
-    with pytest.raises(InvalidArgumentError, match="num_blocks: "):
+@pytest.mark.parametrize("bad, exc", [(1, InvalidArgumentError), (0, InvalidArgumentError),
+                                      (-3, InvalidArgumentError), (2.0, InvalidTypeError),
+                                      (True, InvalidTypeError), ("8", InvalidTypeError)])
+def test_constructor_rejects_bad_sizes(bad, exc):
+    """A count out of range is a ValueError, anything but an int a TypeError; block 0 is the null block."""
+    with pytest.raises(exc, match="num_blocks: expected an int >= 2, got "):
         BlockPool(bad)
 
 

@@ -636,6 +636,36 @@ def test_evict_batch_mixed_integer_dtypes():
     t.check_invariants()
 
 
+HUGE_UINT64 = [
+    ("evict_max", lambda t, v: t.evict("a", v), "token_ids", np.array([2**64 - 1], dtype=np.uint64)),
+    ("evict_just_above_int64", lambda t, v: t.evict("a", v), "token_ids", np.array([1, 2**63], dtype=np.uint64)),
+    ("evict_python_ints", lambda t, v: t.evict("a", v), "token_ids", [2**64 - 1]),  # numpy makes these uint64
+    ("batch_counts", lambda t, v: t.sync_new_tokens_batch(["a", "b"], v), "counts",
+     np.array([1, 2**64 - 1], dtype=np.uint64)),
+]
+
+
+@pytest.mark.parametrize("name, call, arg, value", HUGE_UINT64, ids=[c[0] for c in HUGE_UINT64])
+def test_uint64_above_int64_is_rejected_with_its_real_value(name, call, arg, value):
+    """A uint64 >= 2**63 must not wrap to a negative id: the message shows the value the caller passed."""
+    t = error_table()
+    before = t.snapshot()
+    big = [int(x) for x in np.asarray(value).tolist() if int(x) >= 2**63]
+    with pytest.raises(InvalidArgumentError) as e:
+        call(t, value)
+    assert str(e.value) == f"{arg}: expected ids < 2**63, got {big}"
+    assert_same(before, t.snapshot())
+    t.check_invariants()
+
+
+def test_uint64_below_int64_max_still_works():
+    t = error_table()
+    t.evict("a", np.array([0, 1], dtype=np.uint64))
+    assert t.sync_new_tokens_batch(["a", "b"], np.array([1, 0], dtype=np.uint64)).size == 1
+    assert t.live_ids("a").tolist()[:3] == [2, 4, 5] and t.num_tokens("a") == 23
+    t.check_invariants()
+
+
 def test_request_ids_and_rows():
     t = make_table(16, 4)
     for r in ["x", 7, ("t", 1)]:

@@ -17,8 +17,6 @@ import argparse
 import json
 import sys
 
-from vtoken.errors import VTokenError
-
 
 def _add_fragmentation(sub) -> None:
     from vtoken.experiments.fragmentation import PATTERNS, FragmentationConfig
@@ -48,18 +46,16 @@ def _add_fragmentation(sub) -> None:
 
 
 def _run_fragmentation(args) -> int:
+    from vtoken.experiments import common
     from vtoken.experiments.fragmentation import FragmentationConfig, format_result, run_fragmentation
 
-    try:
+    with common.cli_errors(args.parser):
         cfg = FragmentationConfig(pattern=args.pattern, evict_ratio=args.evict_ratio, requests=args.requests,
                                   context=args.context, block_size=args.block_size, seed=args.seed,
                                   policy=args.policy)
-    except VTokenError as e:
-        args.parser.error(str(e))
-    from vtoken.experiments.common import Progress
-
-    with Progress(cfg.requests, f"fragmentation ({cfg.policy})", enabled=None if cfg.policy else False) as progress:
-        res = run_fragmentation(cfg, progress=progress)
+        with common.Progress(cfg.requests, f"fragmentation ({cfg.policy})",
+                             enabled=None if cfg.policy else False) as progress:
+            res = run_fragmentation(cfg, progress=progress)
     print(json.dumps(res.to_dict()) if args.json else format_result(cfg, res))
     return 0
 

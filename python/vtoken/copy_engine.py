@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from vtoken import ops
-from vtoken.errors import InvalidArgumentError, InvalidTypeError
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_int
 from vtoken.layout import KVLayout
 
 
@@ -156,8 +156,7 @@ class CopyEngine:
         log_size: int = 4096,
     ):
         caches = list(kv_caches) if kv_caches is not None else []
-        if not isinstance(max_moves, (int, np.integer)) or isinstance(max_moves, bool) or max_moves < 1:
-            raise InvalidArgumentError(f"max_moves: expected an int >= 1, got {max_moves!r}")
+        check_int("max_moves", max_moves, min_value=1)
         if caches:
             if not isinstance(layout, KVLayout):
                 raise InvalidTypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")

@@ -29,11 +29,15 @@ class InvariantViolation(VTokenError, AssertionError):
     """An internal invariant (I1, I2, I4, conservation) does not hold."""
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+
+
 def as_index_array(arg: str, value, *, allow_empty: bool = True) -> np.ndarray:
     """Return ``value`` as a 1-D int64 numpy array, or raise naming ``arg``.
 
     Accepts Python ints sequences and integer numpy arrays; rejects floats,
-    bools and multi-dimensional input so that a silent cast never hides a bug.
+    bools, multi-dimensional input and unsigned values >= 2**63 so that a
+    silent cast never hides a bug.
     """
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         value = [int(value)]
@@ -46,6 +50,10 @@ def as_index_array(arg: str, value, *, allow_empty: bool = True) -> np.ndarray:
         raise InvalidTypeError(f"{arg}: expected an integer array, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise InvalidTypeError(f"{arg}: expected a 1-D array, got shape {tuple(arr.shape)}")
+    # NOTE: a uint64 above int64's max would wrap to a negative id in the cast below, and
+    # the caller's range check would then report the wrapped value instead of the real one.
+    if arr.dtype == np.uint64 and arr.max() > _INT64_MAX:
+        raise InvalidArgumentError(f"{arg}: expected ids < 2**63, got {arr[arr > _INT64_MAX][:8].tolist()}")
     return arr.astype(np.int64, copy=False)
 
 

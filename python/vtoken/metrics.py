@@ -4,11 +4,18 @@ One :class:`StepRecord` per engine step, appended by
 :meth:`vtoken.reclaim.ReclamationManager.commit` (the call that ends a step).
 Counts are read from the ledger in O(1); times are host wall-clock.
 
+A :class:`MetricsLog` keeps the newest ``capacity`` records (a ring, so a
+server that runs for days does not grow without bound) and running totals
+over every step it was given, which the ring does not lose: :meth:`summary`
+and :attr:`MetricsLog.totals` cover the whole run, ``records`` and the
+exports only the steps still kept.
+
 Example:
-    >>> log = MetricsLog()
-    >>> log.append(StepRecord(step=1, free_blocks=10, reserved_blocks=2, waste_ratio=0.5))
-    >>> log.to_rows()[0]["free_blocks"]
-    10
+    >>> log = MetricsLog(capacity=2)
+    >>> for step in range(3):
+    ...     log.append(StepRecord(step=step, free_blocks=10 - step, plans=1))
+    >>> [r.step for r in log.records], log.totals.steps, log.summary()["plans"]
+    ([1, 2], 3, 3)
 """
 from __future__ import annotations
 
@@ -16,8 +23,14 @@ import csv
 import dataclasses
 import io
 import json
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
+
+from vtoken.errors import check_int
+
+DEFAULT_CAPACITY = 4096
+"""Records a :class:`MetricsLog` keeps unless told otherwise: the newest 4096 steps."""
 
 
 @dataclass
@@ -50,26 +63,80 @@ class StepRecord:
 FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
 
 
-class MetricsLog:
-    """An append-only list of :class:`StepRecord` with exports and a summary."""
+@dataclass
+class StepTotals:
+    """Running totals over every step appended to a :class:`MetricsLog` (the ring does not drop them)."""
 
-    def __init__(self, max_records: Optional[int] = None):
-        self.records: list[StepRecord] = []
-        self.max_records = max_records
+    steps: int = 0
+    plans: int = 0
+    moves: int = 0
+    src_blocks: int = 0
+    dst_blocks: int = 0
+    freed_blocks: int = 0
+    aborted_plans: int = 0
+    event_waits: int = 0
+    backpressure_steps: int = 0
+    planner_us: float = 0.0
+    commit_us: float = 0.0
+    planning_steps: int = 0  # steps that launched at least one plan
+    planner_us_when_planning: float = 0.0
+    host_stall_us_when_planning: float = 0.0
+    allocated_steps: int = 0  # steps that ended with blocks allocated (where F means something)
+    waste_ratio_when_allocated: float = 0.0  # F summed over those steps
+
+    def add(self, r: StepRecord) -> None:
+        self.steps += 1
+        self.plans += r.plans
+        self.moves += r.moves
+        self.src_blocks += r.src_blocks
+        self.dst_blocks += r.dst_blocks
+        self.freed_blocks += r.freed_blocks
+        self.aborted_plans += r.aborted_plans
+        self.event_waits += r.event_waits
+        self.backpressure_steps += bool(r.backpressure)
+        self.planner_us += r.planner_us
+        self.commit_us += r.commit_us
+        if r.plans:
+            self.planning_steps += 1
+            self.planner_us_when_planning += r.planner_us
+            self.host_stall_us_when_planning += r.host_stall_us
+        if r.allocated_blocks > 0:
+            self.allocated_steps += 1
+            self.waste_ratio_when_allocated += r.waste_ratio
+
+    @property
+    def mean_waste_ratio(self) -> float:
+        """F averaged over the steps that ended with blocks allocated (0.0 if none did)."""
+        return self.waste_ratio_when_allocated / self.allocated_steps if self.allocated_steps else 0.0
+
+
+class MetricsLog:
+    """The newest ``capacity`` :class:`StepRecord` (oldest first) and running totals over all steps.
+
+    Args:
+        capacity: records kept (default :data:`DEFAULT_CAPACITY`); ``None``
+            keeps every record, for a caller that needs the whole per-step
+            history (the totals never need it).
+    """
+
+    def __init__(self, capacity: Optional[int] = DEFAULT_CAPACITY):
+        self.capacity = None if capacity is None else check_int("capacity", capacity, min_value=1)
+        self.records: deque[StepRecord] = deque(maxlen=self.capacity)
+        self.totals = StepTotals()
 
     def append(self, rec: StepRecord) -> None:
         self.records.append(rec)
-        if self.max_records is not None and len(self.records) > self.max_records:
-            del self.records[: len(self.records) - self.max_records]
+        self.totals.add(rec)
 
     def __len__(self) -> int:
+        """Records kept (at most ``capacity``); ``totals.steps`` counts every step appended."""
         return len(self.records)
 
     def to_rows(self) -> list[dict]:
         return [dataclasses.asdict(r) for r in self.records]
 
     def to_json(self, path: Optional[str] = None) -> str:
-        """The records (and a summary) as JSON; written to ``path`` when given."""
+        """The kept records and the summary of all steps as JSON; written to ``path`` when given."""
         text = json.dumps({"summary": self.summary(), "steps": self.to_rows()}, indent=1)
         if path is not None:
             with open(path, "w") as f:
@@ -77,7 +144,7 @@ class MetricsLog:
         return text
 
     def to_csv(self, path: Optional[str] = None) -> str:
-        """One CSV row per step, header = :data:`FIELDS`; written to ``path`` when given."""
+        """One CSV row per kept step, header = :data:`FIELDS`; written to ``path`` when given."""
         buf = io.StringIO()
         w = csv.DictWriter(buf, fieldnames=FIELDS, lineterminator="\n")
         w.writeheader()
@@ -89,29 +156,27 @@ class MetricsLog:
         return text
 
     def summary(self) -> dict:
-        """Totals and means over the recorded steps."""
-        rs = self.records
-        if not rs:
+        """Totals and means over every step appended, the ones the ring dropped included."""
+        t = self.totals
+        if not t.steps:
             return {"steps": 0}
-        n = len(rs)
-        planned = [r for r in rs if r.plans]
-
-        def mean(xs):
-            xs = list(xs)
-            return sum(xs) / len(xs) if xs else 0.0
-
+        last = self.records[-1]
         return {
-            "steps": n,
-            "plans": sum(r.plans for r in rs),
-            "moves": sum(r.moves for r in rs),
-            "freed_blocks": sum(r.freed_blocks for r in rs),
-            "aborted_plans": sum(r.aborted_plans for r in rs),
-            "final_waste_ratio": rs[-1].waste_ratio,
-            "final_free_blocks": rs[-1].free_blocks,
-            "mean_planner_us": mean(r.planner_us for r in rs),
-            "mean_commit_us": mean(r.commit_us for r in rs),
-            "mean_planner_us_when_planning": mean(r.planner_us for r in planned),
-            "mean_host_stall_us_when_planning": mean(r.host_stall_us for r in planned),
-            "backpressure_steps": sum(1 for r in rs if r.backpressure),
-            "event_waits": sum(r.event_waits for r in rs),
+            "steps": t.steps,
+            "plans": t.plans,
+            "moves": t.moves,
+            "freed_blocks": t.freed_blocks,
+            "aborted_plans": t.aborted_plans,
+            "final_waste_ratio": last.waste_ratio,
+            "final_free_blocks": last.free_blocks,
+            "mean_planner_us": t.planner_us / t.steps,
+            "mean_commit_us": t.commit_us / t.steps,
+            "mean_planner_us_when_planning": _mean(t.planner_us_when_planning, t.planning_steps),
+            "mean_host_stall_us_when_planning": _mean(t.host_stall_us_when_planning, t.planning_steps),
+            "backpressure_steps": t.backpressure_steps,
+            "event_waits": t.event_waits,
         }
+
+
+def _mean(total: float, n: int) -> float:
+    return total / n if n else 0.0

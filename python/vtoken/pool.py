@@ -17,7 +17,7 @@ from typing import Optional, Protocol, runtime_checkable
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError, as_index_array
+from vtoken.errors import InvalidArgumentError, as_index_array, check_int
 
 NULL_BLOCK = 0
 
@@ -56,11 +56,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int):
-        if not isinstance(num_blocks, (int, np.integer)) or isinstance(num_blocks, bool):
-            raise InvalidArgumentError(f"num_blocks: expected an int, got {type(num_blocks).__name__}")
-        if num_blocks < 2:
-            raise InvalidArgumentError(f"num_blocks: expected >= 2 (block 0 is the null block), got {num_blocks}")
-        self._num_blocks = int(num_blocks)
+        self._num_blocks = check_int("num_blocks", num_blocks, min_value=2)  # block 0 is the null block
         self._ref = np.zeros(self._num_blocks, dtype=np.int32)
         self._ref[NULL_BLOCK] = 1  # pinned forever
         # Stack of free ids; the top is at the end so low ids are handed out first.
@@ -76,12 +72,11 @@ class BlockPool:
         return self._top
 
     def allocate(self, n: int) -> Optional[np.ndarray]:
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
-            raise InvalidArgumentError(f"n: expected an int >= 0, got {n!r}")
+        n = check_int("n", n)
         if n > self._top:
             return None
         ids = self._stack[self._top - n : self._top][::-1].copy()
-        self._top -= int(n)
+        self._top -= n
         self._ref[ids] = 1
         return ids
 

@@ -45,7 +45,7 @@ from torch.nn import functional as F
 
 from vtoken import ops
 from vtoken.engine.kv_cache import KV_LAYOUTS, allocate_kv_caches, write_kv
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_tensor
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_int, check_tensor
 from vtoken.layout import KVLayout
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -99,9 +99,7 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "max_position_embeddings"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InvalidArgumentError(f"{name}: expected an int >= 1, got {v!r}")
+            setattr(self, name, check_int(name, getattr(self, name), min_value=1))
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise InvalidArgumentError(

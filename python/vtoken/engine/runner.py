@@ -51,7 +51,7 @@ from vtoken.buffers import DeviceMirror, SlotListBuffers
 from vtoken.copy_engine import StagingRing
 from vtoken.engine.kv_cache import KV_LAYOUTS
 from vtoken.engine.model import LlamaModel, ModelOutput, StepInputs
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int
 from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
 from vtoken.table import TokenTable
@@ -106,9 +106,7 @@ class RunnerConfig:
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_num_reqs", "max_num_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise InvalidArgumentError(f"{name}: expected an int >= 1, got {v!r}")
+            check_int(name, getattr(self, name), min_value=1)
         if self.num_blocks < 2:
             raise InvalidArgumentError(f"num_blocks: expected >= 2 (block 0 is the null block), got {self.num_blocks}")
         if self.layout not in KV_LAYOUTS:
@@ -263,13 +261,12 @@ class ModelRunner:
         ``None``, with nothing changed, when the block budget cannot hold the
         new tokens.
         """
-        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
-            raise InvalidArgumentError(f"window: expected an int >= 0, got {window!r}")
+        window = check_int("window", window)
         reqs = list(reqs)
         if len(token_ids) != len(reqs):
             raise InvalidArgumentError(f"token_ids: expected {len(reqs)} arrays (one per request), got {len(token_ids)}")
         toks = [as_index_array(f"token_ids[{i}]", t, allow_empty=False) for i, t in enumerate(token_ids)]
-        return self._step(reqs, toks, decode=False, all_logits=all_logits, window=int(window))
+        return self._step(reqs, toks, decode=False, all_logits=all_logits, window=window)
 
     def decode(self, reqs: Sequence[Hashable], token_ids) -> Optional[StepResult]:
         """Append one token per request and run a decode step (CUDA graph on GPU).

@@ -51,18 +51,15 @@ from typing import Any, Hashable, Optional, Sequence, Union
 
 import numpy as np
 
+from vtoken import cdiv
 from vtoken.engine.model import LlamaModel
 from vtoken.engine.runner import ModelRunner, RunnerConfig, StepResult
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int, is_int
 from vtoken.policies import EvictionPolicy, ReplayPolicy, TraceRecorder, accumulate_batch
 from vtoken.policies import get as get_policy
 from vtoken.reclaim import MODES, ReclaimConfig, ReclamationManager
 
 PolicyLike = Union[str, EvictionPolicy, TraceRecorder, ReplayPolicy, None]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -223,8 +220,7 @@ class Engine:
     def add_request(self, prompt, max_new_tokens: int, request_id: Optional[Hashable] = None) -> Hashable:
         """Queue a request; returns its id. The prompt must fit one prefill and the block budget."""
         prompt = as_index_array("prompt", prompt, allow_empty=False)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-            raise InvalidArgumentError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens, min_value=1)
         vocab = self.runner.model.config.vocab_size
         if prompt.min() < 0 or prompt.max() >= vocab:
             raise InvalidArgumentError(f"prompt: expected token ids in [0, {vocab}), got {prompt[(prompt < 0) | (prompt >= vocab)][:8].tolist()}")
@@ -234,10 +230,10 @@ class Engine:
                 f"prompt: expected len(prompt) + max_new_tokens - 1 <= max_num_tokens ({self.config.max_num_tokens}) "
                 f"so a recompute fits one prefill, got {longest}"
             )
-        if _cdiv(longest, self.config.block_size) > self.usable_blocks:
+        if cdiv(longest, self.config.block_size) > self.usable_blocks:
             raise InvalidArgumentError(
                 f"prompt: expected a request that fits the block budget ({self.usable_blocks} blocks), "
-                f"got one needing up to {_cdiv(longest, self.config.block_size)}"
+                f"got one needing up to {cdiv(longest, self.config.block_size)}"
             )
         if request_id is None:
             while self._next_id in self.requests:
@@ -311,7 +307,7 @@ class Engine:
         while self.waiting and len(self.running) + len(admitted) < cfg.max_num_reqs:
             req = self.waiting[0]
             n = len(req._pending)
-            need = _cdiv(n, S)
+            need = cdiv(n, S)
             if need > free_blocks or tokens + n > cfg.max_num_tokens:
                 break
             self.waiting.popleft()
@@ -391,8 +387,7 @@ class Engine:
         mnt = [max_new_tokens] * n if isinstance(max_new_tokens, (int, np.integer)) else list(max_new_tokens)
         if len(mnt) != n:
             raise InvalidArgumentError(f"max_new_tokens: expected {n} values (one per prompt), got {len(mnt)}")
-        if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
-                                        or concurrency < 1):
+        if concurrency is not None and not (is_int(concurrency) and concurrency >= 1):
             raise InvalidArgumentError(f"concurrency: expected an int >= 1 or None, got {concurrency!r}")
         ids, submitted = [], 0
         limit = n if concurrency is None else min(concurrency, n)

@@ -9,6 +9,9 @@
   recorded; every other evicting mode replays that trace
   (:class:`vtoken.policies.ReplayPolicy`, strict), so naive and vtoken see the
   same victims and their greedy outputs must be identical.
+- **Size checks.** :func:`check_pool` and :func:`check_memory` refuse, naming
+  the option, a size whose slot ids int32 cannot hold or whose main
+  allocations (estimated) exceed the machine's memory, before allocating.
 - **CLI plumbing.** Shared options, a progress bar (``rich``, only when it is
   installed and stderr is a terminal), and ``--plot`` through matplotlib, both
   from the ``[bench]`` extra and imported lazily.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,7 +29,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError, VTokenError
+from vtoken.errors import InvalidArgumentError, VTokenError, check_int
 
 MODEL_PRESETS = {
     # init_std 0.2 (not 0.02) gives the random model peaked attention, so score-based policies
@@ -48,12 +52,6 @@ class MissingExtraError(VTokenError, ImportError):
 
 
 # ----------------------------------------------------------------------------- checks
-def check_int(name: str, v, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
-        raise InvalidArgumentError(f"{name}: expected an int >= {minimum}, got {v!r}")
-    return int(v)
-
-
 def check_ratio(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < float(v) < 1.0:
         raise InvalidArgumentError(f"{name}: expected a value in (0, 1), got {v!r}")
@@ -73,10 +71,10 @@ def check_run_options(cfg, ints: Sequence[str]) -> None:
     ``window`` None or >= 0, each field named in ``ints`` >= 1, ``seed`` >= 0."""
     check_ratio("evict_ratio", cfg.evict_ratio)
     if cfg.window is not None:
-        check_int("window", cfg.window, minimum=0)
+        check_int("window", cfg.window)
     for name in ints:
-        check_int(name, getattr(cfg, name))
-    check_int("seed", cfg.seed, minimum=0)
+        check_int(name, getattr(cfg, name), min_value=1)
+    check_int("seed", cfg.seed)
 
 
 def parse_int_list(name: str, text) -> tuple:
@@ -90,10 +88,76 @@ def parse_int_list(name: str, text) -> tuple:
         vals = list(text)
     if not vals:
         raise InvalidArgumentError(f"{name}: expected at least one value, got none")
-    vals = [check_int(name, v) for v in vals]
+    vals = [check_int(name, v, min_value=1) for v in vals]
     if len(set(vals)) != len(vals):
         raise InvalidArgumentError(f"{name}: expected unique values, got {vals}")
     return tuple(vals)
+
+
+# ----------------------------------------------------------------------------- sizes
+# NOTE: the token table stores a slot as int32 ``block * S + offset``, so a pool holds at most 2**31
+# slots; past that, slot ids would wrap. The size checks below refuse such a size, and one whose
+# main allocations would not fit the machine's memory, with an error naming the option, before
+# anything is allocated (an oversized numpy or torch allocation fails with a traceback, or worse,
+# succeeds lazily and gets the process killed later).
+MAX_SLOTS = 2**31
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def check_pool(arg: str, value, num_blocks: int, block_size: int) -> None:
+    """Refuse a pool of ``num_blocks`` blocks (null block included) that int32 slots cannot number."""
+    limit = MAX_SLOTS // block_size
+    if num_blocks > limit:
+        needs = "" if num_blocks == value else f", which needs {num_blocks}"
+        raise InvalidArgumentError(
+            f"{arg}: expected a pool of at most {limit} blocks of {block_size} tokens (int32 slot ids), "
+            f"got {value}{needs}"
+        )
+
+
+def memory_bytes(device=None) -> Optional[int]:
+    """Total memory of ``device`` (a CUDA device's, else this machine's physical memory); None if unknown."""
+    if _is_cuda(device):
+        import torch
+
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not a POSIX system: no estimate, no refusal
+        return None
+
+
+def _is_cuda(device) -> bool:
+    return device is not None and str(device).startswith("cuda")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def check_memory(arg: str, value, nbytes: float, what: str, device=None) -> None:
+    """Refuse a run whose ``what`` needs an estimated ``nbytes`` that exceed the memory of ``device``."""
+    total = memory_bytes(device)
+    if total is not None and nbytes > total:
+        where = "the GPU's" if _is_cuda(device) else "this machine's"
+        raise InvalidArgumentError(
+            f"{arg}: expected at most {_size(total)} of {what} ({where} memory), got {value}, "
+            f"which needs about {_size(nbytes)}"
+        )
+
+
+def kv_bytes_per_token(config) -> int:
+    """K and V bytes of one token over every layer of a model with this :class:`ModelConfig` (or preset dict)."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k)
+    head_dim = get("head_dim") or get("hidden_size") // get("num_heads")
+    return 2 * get("num_layers") * get("num_kv_heads") * head_dim * _ITEMSIZE[str(get("dtype"))]
+
+
+def check_kv_cache(arg: str, value, model, num_blocks: int, block_size: int) -> None:
+    """Refuse an engine whose paged KV cache (``num_blocks`` blocks of ``model``) exceeds its device's memory."""
+    check_memory(arg, value, num_blocks * block_size * kv_bytes_per_token(model.config), "KV cache",
+                 device=model.lm_head.weight.device)
 
 
 # ----------------------------------------------------------------------------- model
@@ -111,7 +175,7 @@ class ModelSpec:
         if self.path is None and self.preset not in MODEL_PRESETS:
             raise InvalidArgumentError(f"model_preset: expected one of {sorted(MODEL_PRESETS)}, got {self.preset!r}")
         if self.threads is not None:
-            check_int("threads", self.threads)
+            check_int("threads", self.threads, min_value=1)
 
     def resolved_device(self):
         import torch
@@ -209,9 +273,11 @@ def fit_num_blocks(requests: int, per_request: int) -> int:
     """The smallest pool (null block included) that holds ``requests x per_request`` blocks in every mode,
     including vtoken's headroom reserve."""
     need = requests * per_request
+    # NOTE: the headroom never shrinks as the pool grows, so n = need + 1 + headroom(n) climbs to the
+    # smallest fitting pool from below, in a few steps (the reserve is a small fraction of the pool).
     n = need + 1
     while n - 1 - headroom_blocks(n) < need:
-        n += 1
+        n = need + 1 + headroom_blocks(n)
     return n
 
 
@@ -250,14 +316,13 @@ def summarize_mode(eng, outputs: list, seconds: float) -> ModeRun:
     S = eng.config.block_size
     retained = np.array([r.retained_blocks for r in fin], dtype=np.int64)
     live = np.array([r.live_tokens for r in fin], dtype=np.int64)
-    f = [rec.waste_ratio for rec in eng.reclaimer.metrics.records if rec.allocated_blocks > 0]
     peak_req = max(r.peak_blocks for r in fin)
     s = eng.summary()
     return ModeRun(
         mode=eng.mode, outputs=outputs, summary=s,
         retained_blocks_per_request=float(retained.mean()),
         utilization=float(live.sum() / (retained.sum() * S)),
-        waste_ratio_mean=float(np.mean(f)) if f else 0.0,
+        waste_ratio_mean=float(eng.reclaimer.metrics.totals.mean_waste_ratio),
         ideal_blocks_per_request=float(np.mean(-(-live // S))),
         peak_blocks=int(eng.peak_blocks), peak_blocks_per_request=int(peak_req),
         usable_blocks=int(eng.usable_blocks), max_concurrency=int(eng.usable_blocks // peak_req),

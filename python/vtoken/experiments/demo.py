@@ -37,13 +37,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from vtoken.errors import InvalidArgumentError
+from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import (
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
-    check_int,
+    check_kv_cache,
     check_policy,
+    check_pool,
     check_run_options,
     full_blocks,
     headroom_blocks,
@@ -76,7 +77,8 @@ class DemoConfig:
         if isinstance(self.theta_f, bool) or not isinstance(self.theta_f, (int, float)) or not 0 <= self.theta_f < 1:
             raise InvalidArgumentError(f"theta_f: expected a value in [0, 1), got {self.theta_f!r}")
         check_run_options(self, ("requests", "prompt_len", "output_len", "block_size"))
-        check_int("num_blocks", self.num_blocks, minimum=2)
+        check_int("num_blocks", self.num_blocks, min_value=2)
+        check_pool("num_blocks", self.num_blocks, self.num_blocks, self.block_size)
         need = self.requests * full_blocks(self.prompt_len, self.output_len, self.block_size)
         have = self.num_blocks - 1 - headroom_blocks(self.num_blocks)
         if need > have:
@@ -113,6 +115,7 @@ def run_demo(cfg: DemoConfig, *, progress: Optional[Progress] = None) -> DemoRes
 
     t0 = time.perf_counter()
     model = cfg.model.build()
+    check_kv_cache("num_blocks", cfg.num_blocks, model, cfg.num_blocks, cfg.block_size)
     prompts = make_prompts(cfg.requests, cfg.prompt_len, model.config.vocab_size, cfg.seed)
     engine_cfg = resident_engine_config(cfg, cfg.num_blocks, dict(EAGER_RECLAIM, theta_F=float(cfg.theta_f)))
     warm_up(model, engine_cfg, cfg.prompt_len)

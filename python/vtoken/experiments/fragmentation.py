@@ -40,13 +40,26 @@ from typing import Optional
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError
+from vtoken import cdiv
+from vtoken.errors import InvalidArgumentError, check_int
+from vtoken.experiments.common import check_memory, check_pool
 from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
 from vtoken.table import TokenTable
 
 PATTERNS = ("random", "strided", "window")
 WINDOW_SINKS = 4  # StreamingLLM's attention sinks, kept by the window pattern
+
+
+def host_bytes(requests: int, context: int, block_size: int) -> float:
+    """Estimated peak host memory of :func:`run_fragmentation` (without ``policy``).
+
+    NOTE: tracemalloc peaks at evict ratio 1.0 (the largest), S from 1 to 64, requests x context
+    from 1 x 65536 to 4096 x 16: 76-168 bytes per token, the most at S = 1 (per-block arrays), and
+    about 600 bytes more per request when requests are short; hence 112 + 64 / S bytes per token
+    plus 1 KiB per request.
+    """
+    return requests * (context * (112 + 64 / block_size) + 1024)
 
 
 @dataclass
@@ -69,9 +82,21 @@ class FragmentationConfig:
         if not 0.0 <= float(self.evict_ratio) <= 1.0:
             raise InvalidArgumentError(f"evict_ratio: expected a value in [0, 1], got {self.evict_ratio}")
         for name in ("requests", "context", "block_size"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise InvalidArgumentError(f"{name}: expected an int >= 1, got {v!r}")
+            check_int(name, getattr(self, name), min_value=1)
+        check_int("seed", self.seed)
+        blocks = cdiv(self.context, self.block_size)  # the pool's int32 slots: one request first, then all
+        check_pool("context", self.context, blocks + 1, self.block_size)
+        check_pool("requests", self.requests, self.requests * blocks + 1, self.block_size)
+
+    def check_memory(self) -> None:
+        """Refuse a run this machine cannot hold, naming ``context`` if one request alone is too much."""
+        victims, what = 0, "token table"
+        if self.policy is not None:
+            from vtoken.experiments.policy_victims import peak_bytes
+
+            victims, what = peak_bytes(self.context), "token table and policy prefill"  # one request at a time
+        for arg, n in (("context", 1), ("requests", self.requests)):
+            check_memory(arg, getattr(self, arg), host_bytes(n, self.context, self.block_size) + victims, what)
 
 
 @dataclass
@@ -107,6 +132,7 @@ def victims(pattern: str, evict_ratio: float, context: int, rng: np.random.Gener
 
 def run_fragmentation(cfg: FragmentationConfig, *, progress=None) -> FragmentationResult:
     """Prefill every request, evict by ``cfg.pattern`` (or ``cfg.policy``), and read the ledger."""
+    cfg.check_memory()
     S, R, L = cfg.block_size, cfg.requests, cfg.context
     ledger = BlockLedger(BlockPool(R * math.ceil(L / S) + 1), S)
     table = TokenTable(ledger, initial_tokens=R * L)

@@ -71,7 +71,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation
+from vtoken import cdiv
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, check_int
+from vtoken.experiments.common import check_kv_cache, check_memory, check_pool
 from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
 from vtoken.reclaim import MODES, ReclaimConfig, ReclamationManager
@@ -107,17 +109,10 @@ FRONTIER_RECLAIM = {
     "check_invariants": False,
 }
 HEADROOM_FACTOR = 1.5  # reserve = 1.5x one step's expected destinations (see the NOTE above)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _check_int(name: str, v, lo: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise InvalidTypeError(f"{name}: expected an int, got {type(v).__name__}")
-    if v < lo:
-        raise InvalidArgumentError(f"{name}: expected an int >= {lo}, got {v}")
+# NOTE: peak host memory of a trace-only search per pool slot (num_blocks x S), default request:
+# 299 B (tracemalloc) at 1025 blocks, 179 B at 4097 and 258 B (max RSS growth) at 8193; 320 allows
+# for the spread. The run's table, ledger, trace and probes all grow with the pool.
+TRACE_ONLY_BYTES_PER_SLOT = 320
 
 
 def headroom_for(concurrency: int, block_size: int) -> int:
@@ -164,18 +159,19 @@ class FrontierConfig:
     max_concurrency: Optional[int] = None
 
     def __post_init__(self):
-        _check_int("num_blocks", self.num_blocks, 2)
-        _check_int("block_size", self.block_size, 1)
-        _check_int("prompt_len", self.prompt_len, 1)
-        _check_int("output_len", self.output_len, 1)
-        _check_int("seed", self.seed, 0)
+        check_int("num_blocks", self.num_blocks, min_value=2)
+        check_int("block_size", self.block_size, min_value=1)
+        check_pool("num_blocks", self.num_blocks, self.num_blocks, self.block_size)
+        check_int("prompt_len", self.prompt_len, min_value=1)
+        check_int("output_len", self.output_len, min_value=1)
+        check_int("seed", self.seed)
         if isinstance(self.evict_ratio, bool) or not isinstance(self.evict_ratio, (int, float)):
             raise InvalidTypeError(f"evict_ratio: expected a float, got {type(self.evict_ratio).__name__}")
         if not 0.0 <= float(self.evict_ratio) < 1.0:
             raise InvalidArgumentError(f"evict_ratio: expected a value in [0, 1), got {self.evict_ratio}")
         if self.kv_budget is None:
             self.kv_budget = max(1, round((1.0 - float(self.evict_ratio)) * self.kv_tokens))
-        _check_int("kv_budget", self.kv_budget, 1)
+        check_int("kv_budget", self.kv_budget, min_value=1)
         from vtoken.policies import available
 
         if not isinstance(self.policy, str) or self.policy.lower() not in available():
@@ -195,7 +191,7 @@ class FrontierConfig:
             raise InvalidArgumentError("reclaim: expected ReclaimConfig fields without 'mode' (set per mode), got 'mode'")
         self.reclaim_config("vtoken", 1)  # validates the fields now
         if self.max_concurrency is not None:
-            _check_int("max_concurrency", self.max_concurrency, 1)
+            check_int("max_concurrency", self.max_concurrency, min_value=1)
         self.make_policy()  # validates policy_config now, not in the middle of a search
 
     @classmethod
@@ -451,9 +447,8 @@ def _utilization(util: list) -> tuple[Optional[float], Optional[float]]:
 
 
 def _reclaim_totals(mgr: ReclamationManager) -> tuple[int, int, int]:
-    recs = mgr.metrics.records
-    return (sum(r.moves for r in recs), sum(r.freed_blocks - r.dst_blocks for r in recs),
-            sum(r.plans for r in recs))
+    t = mgr.metrics.totals  # running totals: the metrics ring keeps only the newest steps
+    return t.moves, t.freed_blocks - t.dst_blocks, t.plans
 
 
 def _tick(progress, label: str, j: int, n: int) -> None:
@@ -469,7 +464,7 @@ def simulate_trace_only(cfg: FrontierConfig, mode: str, C: int, trace: Optional[
     ``progress``: an object with ``set_description(text)`` (e.g.
     :class:`vtoken.experiments.common.Progress`).
     """
-    _check_int("C", C, 1)
+    check_int("C", C, min_value=1)
     if mode not in MODES:
         raise InvalidArgumentError(f"mode: expected one of {MODES}, got {mode!r}")
     t0 = time.perf_counter()
@@ -499,7 +494,7 @@ def simulate_trace_only(cfg: FrontierConfig, mode: str, C: int, trace: Optional[
 
     # Step 0: admission under the engine's rule, then one prefill of every prompt.
     budget = mgr.admission_budget()
-    fit = 0 if budget.backpressure else min(C, budget.free_blocks // _cdiv(P, S))
+    fit = 0 if budget.backpressure else min(C, budget.free_blocks // cdiv(P, S))
     if fit < C:
         return probe(False, f"queued: {fit} of {C} requests fit at admission", 0)
     for r in reqs:
@@ -553,7 +548,7 @@ def simulate_engine(cfg: FrontierConfig, mode: str, C: int, model, progress=None
     """One run of ``C`` requests in ``mode`` on the embedded engine (model forward included)."""
     from vtoken.engine import Engine, EngineConfig
 
-    _check_int("C", C, 1)
+    check_int("C", C, min_value=1)
     if mode not in MODES:
         raise InvalidArgumentError(f"mode: expected one of {MODES}, got {mode!r}")
     t0 = time.perf_counter()
@@ -611,7 +606,7 @@ def upper_bound(cfg: FrontierConfig, mode: str) -> int:
     """
     S, P, L = cfg.block_size, cfg.prompt_len, cfg.kv_tokens
     peak_live = L if mode == "native" else max(P, min(L, cfg.kv_budget + (1 if cfg.output_len > 1 else 0)))
-    per = _cdiv(peak_live, S)
+    per = cdiv(peak_live, S)
     usable = cfg.num_blocks - 1
     c = usable // per
     while c > 0 and c * per + cfg.headroom(mode, c) > usable:
@@ -657,6 +652,8 @@ def run_frontier(cfg: FrontierConfig, *, model=None, progress=None) -> FrontierR
     t0 = time.perf_counter()
     trace = None
     if cfg.trace_only:
+        check_memory("num_blocks", cfg.num_blocks, cfg.num_blocks * cfg.block_size * TRACE_ONLY_BYTES_PER_SLOT,
+                     "trace-only run")
         trace = VictimTrace(cfg)  # one trace, replayed by every mode at every C
 
         def simulator(mode):
@@ -666,14 +663,15 @@ def run_frontier(cfg: FrontierConfig, *, model=None, progress=None) -> FrontierR
             from vtoken.experiments.common import ModelSpec
 
             model = ModelSpec(seed=cfg.seed).build()
+        check_kv_cache("num_blocks", cfg.num_blocks, model, cfg.num_blocks, cfg.block_size)
 
         def simulator(mode):
             return lambda C: simulate_engine(cfg, mode, C, model, progress)
 
     modes = {m: search_mode(cfg, m, simulator(m), progress) for m in cfg.modes}
-    ideal = _cdiv(min(cfg.kv_budget, cfg.kv_tokens), cfg.block_size)
+    ideal = cdiv(min(cfg.kv_budget, cfg.kv_tokens), cfg.block_size)
     return FrontierResult(
-        config=cfg, modes=modes, full_blocks_per_request=_cdiv(cfg.kv_tokens, cfg.block_size),
+        config=cfg, modes=modes, full_blocks_per_request=cdiv(cfg.kv_tokens, cfg.block_size),
         ideal_packed_blocks_per_request=ideal, ideal_max_concurrency=(cfg.num_blocks - 1) // ideal,
         policy_decisions=trace.decisions if trace is not None else 0, seconds=time.perf_counter() - t0,
     )

@@ -24,12 +24,32 @@ from typing import Optional
 
 import numpy as np
 
-from vtoken.experiments.common import ModelSpec, Progress, check_int, check_policy, make_prompts, policy_config
+from vtoken.errors import check_int
+from vtoken.experiments.common import (
+    MODEL_PRESETS,
+    ModelSpec,
+    Progress,
+    check_policy,
+    kv_bytes_per_token,
+    make_prompts,
+    policy_config,
+)
 
 # NOTE: prefill in chunks of 256 queries: a 4096-token prompt of the tiny model took 1.6 s in chunks
 # of 256 vs 2.0 s (512), 3.8 s (1024) and 7.5 s in one piece on CPU (torch reference attention,
 # 1 thread), whose per-chunk score tensor is [heads, chunk, context].
 PREFILL_CHUNK = 256
+
+
+def peak_bytes(context: int) -> int:
+    """Estimated peak memory of one request's prefill: its KV cache and the attention scores.
+
+    The scores of a chunk are [heads, chunk, context] float32, and a few such tensors are
+    alive at once in the torch reference attention (scores, probabilities, their sum): x3.
+    """
+    tiny = MODEL_PRESETS["tiny"]
+    scores = 3 * 4 * tiny["num_heads"] * min(PREFILL_CHUNK, context)
+    return context * (kv_bytes_per_token(tiny) + scores)
 
 
 def make_policy(policy: str, evict_ratio: float, window: Optional[int] = None):
@@ -57,8 +77,8 @@ def policy_victims(policy: str, *, requests: int, context: int, evict_ratio: flo
     from vtoken.engine.runner import ModelRunner, RunnerConfig
     from vtoken.policies import accumulate_batch
 
-    check_int("requests", requests)
-    check_int("context", context)
+    check_int("requests", requests, min_value=1)
+    check_int("context", context, min_value=1)
     pol = make_policy(policy, evict_ratio, window)
     if pol is None:
         return [np.zeros(0, dtype=np.int64) for _ in range(requests)]

@@ -50,7 +50,9 @@ from vtoken.experiments.common import (
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
+    check_kv_cache,
     check_policy,
+    check_pool,
     check_run_options,
     fit_num_blocks,
     full_blocks,
@@ -79,6 +81,10 @@ class PrefixConfig:
         check_policy(self.policy)
         self.degrees = parse_int_list("degrees", self.degrees)
         check_run_options(self, ("requests", "prefix_len", "suffix_len", "output_len", "block_size"))
+        tokens = self.prefix_len + self.suffix_len + self.output_len
+        per_request = full_blocks(self.prefix_len + self.suffix_len, self.output_len, self.block_size)
+        check_pool("prefix_len + suffix_len + output_len", tokens, per_request + 1, self.block_size)
+        check_pool("requests", self.requests, self.num_blocks, self.block_size)
         if self.prefix_len % self.block_size:
             raise InvalidArgumentError(
                 f"prefix_len: expected a multiple of block_size ({self.block_size}): only full blocks are shared, "
@@ -256,6 +262,7 @@ class _SharedPrefixRun:
 def run_prefix(cfg: PrefixConfig, *, progress: Optional[Progress] = None) -> PrefixResult:
     t0 = time.perf_counter()
     model = cfg.model.build()
+    check_kv_cache("requests", cfg.requests, model, cfg.num_blocks, cfg.block_size)
     warm_up(model, dict(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                         max_num_tokens=cfg.prefix_len + cfg.suffix_len + cfg.output_len), cfg.prefix_len)
     rows = []

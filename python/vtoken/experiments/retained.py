@@ -22,11 +22,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from vtoken.errors import InvalidArgumentError
 from vtoken.experiments.common import (
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
+    check_kv_cache,
     check_policy,
+    check_pool,
     check_run_options,
     fit_num_blocks,
     full_blocks,
@@ -62,7 +65,14 @@ class RetainedConfig:
 
     def __post_init__(self):
         self.policies = tuple(check_policy(p) for p in self.policies)
+        if not self.policies:
+            raise InvalidArgumentError("policies: expected at least one policy, got none")
+        if len(set(self.policies)) != len(self.policies):
+            raise InvalidArgumentError(f"policies: expected unique policies, got {list(self.policies)}")
         check_run_options(self, ("requests", "prompt_len", "output_len", "block_size"))
+        per_request = full_blocks(self.prompt_len, self.output_len, self.block_size)
+        check_pool("prompt_len + output_len", self.prompt_len + self.output_len, per_request + 1, self.block_size)
+        check_pool("requests", self.requests, self.num_blocks, self.block_size)
 
     @property
     def num_blocks(self) -> int:
@@ -92,6 +102,7 @@ class RetainedResult:
 def run_retained(cfg: RetainedConfig, *, progress: Optional[Progress] = None) -> RetainedResult:
     t0 = time.perf_counter()
     model = cfg.model.build()
+    check_kv_cache("requests", cfg.requests, model, cfg.num_blocks, cfg.block_size)
     prompts = make_prompts(cfg.requests, cfg.prompt_len, model.config.vocab_size, cfg.seed)
     engine_cfg = resident_engine_config(cfg, cfg.num_blocks, dict(EAGER_RECLAIM))
     warm_up(model, engine_cfg, cfg.prompt_len)

@@ -43,12 +43,14 @@ from typing import Optional
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError
+from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import (
     ModelSpec,
     Progress,
-    check_int,
+    check_kv_cache,
+    check_memory,
     check_policy,
+    check_pool,
     check_run_options,
     make_prompts,
     parse_int_list,
@@ -57,6 +59,7 @@ from vtoken.experiments.common import (
 )
 
 MODES = ("native", "naive", "vtoken")
+PROMPT_OVERHEAD_BYTES = 112  # one numpy array object: sys.getsizeof(np.zeros(0, np.int64)), numpy 2
 
 
 @dataclass
@@ -79,7 +82,8 @@ class SlaConfig:
         check_policy(self.policy)
         self.concurrency = parse_int_list("concurrency", self.concurrency)
         check_run_options(self, ("rounds", "prompt_len", "output_len", "block_size", "sla_concurrency"))
-        check_int("num_blocks", self.num_blocks, minimum=2)
+        check_int("num_blocks", self.num_blocks, min_value=2)
+        check_pool("num_blocks", self.num_blocks, self.num_blocks, self.block_size)
         if self.sla_concurrency not in self.concurrency:
             raise InvalidArgumentError(
                 f"sla_concurrency: expected one of the swept concurrencies {list(self.concurrency)}, "
@@ -189,7 +193,13 @@ def _point(model, mode: str, cfg: SlaConfig, C: int) -> dict:
 
 def run_sla(cfg: SlaConfig, *, progress: Optional[Progress] = None) -> SlaResult:
     t0 = time.perf_counter()
+    # A point makes its prompts up front: rounds x C arrays of prompt_len int64 ids.
+    prompt_bytes = 8 * cfg.prompt_len + PROMPT_OVERHEAD_BYTES
+    c = max(cfg.concurrency)
+    check_memory("concurrency", c, c * prompt_bytes, "prompts")
+    check_memory("rounds", cfg.rounds, cfg.rounds * c * prompt_bytes, "prompts")
     model = cfg.model.build()
+    check_kv_cache("num_blocks", cfg.num_blocks, model, cfg.num_blocks, cfg.block_size)
     warm_up(model, dict(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                         max_num_tokens=cfg.prompt_len + cfg.output_len), cfg.prompt_len)
     points = {m: [] for m in MODES}

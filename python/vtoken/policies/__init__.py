@@ -4,8 +4,8 @@
 lists the names: ``h2o``, ``random``, ``scissorhands``, ``snapkv``,
 ``streamingllm``, ``tova``. Each policy is one module of fewer than 50 lines
 whose docstring gives its definition and source. See :mod:`vtoken.policies.base`
-for the view, budgets and traces, and :mod:`vtoken.policies.scores` for the
-score sources.
+for the view, budgets and traces, :mod:`vtoken.policies.scores` for the
+score sources and :mod:`vtoken.policies.ids` for the live-id checks both use.
 """
 from vtoken.policies.base import (  # noqa: F401
     Budget,

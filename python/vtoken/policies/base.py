@@ -42,7 +42,7 @@ import os
 import zlib
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Hashable, Iterable
+from typing import Any, ClassVar, Hashable, Iterable
 
 import numpy as np
 
@@ -51,10 +51,11 @@ from vtoken.errors import (
     InvalidTypeError,
     InvariantViolation,
     as_index_array,
+    check_int,
+    is_int,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    from vtoken.policies.scores import ScoreAccumulator
+from vtoken.policies.ids import check_live_ids, is_member
+from vtoken.policies.scores import ScoreAccumulator, as_numpy_scores
 
 __all__ = [
     "Budget",
@@ -65,7 +66,6 @@ __all__ = [
     "ReplayPolicy",
     "TraceRecorder",
     "available",
-    "check_count",
     "check_live_ids",
     "get",
     "is_member",
@@ -79,41 +79,12 @@ class ReplayDivergenceError(InvalidArgumentError):
     """A replayed run asked for a decision the trace does not hold, or a recorded victim is not live."""
 
 
-# --------------------------------------------------------------------------- validation
-
-
-def check_count(arg: str, value, *, minimum: int = 0) -> int:
-    """Return ``value`` as a Python int >= ``minimum``, or raise naming ``arg``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise InvalidTypeError(f"{arg}: expected an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise InvalidArgumentError(f"{arg}: expected an int >= {minimum}, got {value}")
-    return int(value)
-
-
-def check_live_ids(arg: str, token_ids) -> np.ndarray:
-    """Return ``token_ids`` as a sorted unique non-negative int64 array, or raise naming ``arg``."""
-    ids = as_index_array(arg, token_ids)
-    if ids.size and (ids[0] < 0 or np.any(ids[1:] <= ids[:-1])):
-        bad = np.flatnonzero(ids[1:] <= ids[:-1])
-        where = f"ids[{bad[0]}:{bad[0] + 2}] = {ids[bad[0]:bad[0] + 2].tolist()}" if bad.size else f"ids[0] = {ids[0]}"
-        raise InvalidArgumentError(
-            f"{arg}: expected strictly increasing non-negative token ids (the live ids in logical order), got {where}"
-        )
-    return ids
-
-
-def is_member(sorted_ids: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Bool mask: which ``values`` occur in the sorted array ``sorted_ids`` (O(m log n))."""
-    if sorted_ids.size == 0:
-        return np.zeros(values.shape, dtype=bool)
-    pos = np.minimum(np.searchsorted(sorted_ids, values), sorted_ids.size - 1)
-    return sorted_ids[pos] == values
+# --------------------------------------------------------------------------- request ids
 
 
 def request_seed(request_id: Hashable) -> int:
     """A process-independent non-negative int for ``request_id`` (``hash(str)`` is salted per process)."""
-    if isinstance(request_id, (int, np.integer)) and not isinstance(request_id, bool) and request_id >= 0:
+    if is_int(request_id) and request_id >= 0:
         return int(request_id)
     return zlib.crc32(repr(request_id).encode())
 
@@ -147,7 +118,7 @@ class Budget:
                 raise InvalidArgumentError(f"budget.ratio: expected a float in (0, 1), got {r!r}")
             object.__setattr__(self, "ratio", float(r))
         if self.cap is not None:
-            object.__setattr__(self, "cap", check_count("budget.cap", self.cap, minimum=1))
+            object.__setattr__(self, "cap", check_int("budget.cap", self.cap, min_value=1))
 
     @classmethod
     def of(cls, value) -> "Budget":
@@ -161,7 +132,7 @@ class Budget:
             return cls(**value)
         if isinstance(value, (float, np.floating)):
             return cls(ratio=float(value))
-        if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        if is_int(value):
             return cls(cap=int(value))
         raise InvalidTypeError(
             f"budget: expected a float ratio in (0, 1), an int cap >= 1, a dict or a Budget, got {value!r}"
@@ -169,7 +140,7 @@ class Budget:
 
     def resolve(self, seq_len: int) -> int:
         """The number of live tokens allowed for a request of ``seq_len`` tokens."""
-        seq_len = check_count("seq_len", seq_len)
+        seq_len = check_int("seq_len", seq_len)
         # NOTE: round before floor so that 0.29 * 100 keeps 29 tokens, not 28 (float error).
         keep = seq_len if self.ratio is None else math.floor(round(self.ratio * seq_len, 9))
         return keep if self.cap is None else min(keep, self.cap)
@@ -213,20 +184,18 @@ class PolicyView:
     seq_len: int
     budget: int
     num_new: int = 1
-    scores: "ScoreAccumulator | None" = None
+    scores: ScoreAccumulator | None = None
     window_scores: Any = None
 
     def __post_init__(self):
         ids = check_live_ids("token_ids", self.token_ids)
         object.__setattr__(self, "token_ids", ids)
-        object.__setattr__(self, "step", check_count("step", self.step))
+        object.__setattr__(self, "step", check_int("step", self.step))
         min_len = int(ids[-1]) + 1 if ids.size else 0
-        object.__setattr__(self, "seq_len", check_count("seq_len", self.seq_len, minimum=min_len))
-        object.__setattr__(self, "budget", check_count("budget", self.budget))
-        object.__setattr__(self, "num_new", check_count("num_new", self.num_new))
+        object.__setattr__(self, "seq_len", check_int("seq_len", self.seq_len, min_value=min_len))
+        object.__setattr__(self, "budget", check_int("budget", self.budget))
+        object.__setattr__(self, "num_new", check_int("num_new", self.num_new))
         if self.window_scores is not None:
-            from vtoken.policies.scores import as_numpy_scores
-
             ws = as_numpy_scores("window_scores", self.window_scores)
             if ws.ndim == 1:
                 ws = ws[:, None]
@@ -246,7 +215,7 @@ class PolicyView:
     def live_count(self) -> int:
         return int(self.token_ids.size)
 
-    def require_scores(self, who: str) -> "ScoreAccumulator":
+    def require_scores(self, who: str) -> ScoreAccumulator:
         """The view's :class:`ScoreAccumulator`, or a clear error naming the policy that needs it."""
         if self.scores is None:
             raise InvalidArgumentError(
@@ -301,8 +270,8 @@ class EvictionPolicy:
     sink: int = 0
 
     def __post_init__(self):
-        self.window = check_count(f"{self.name}.window", self.window)
-        self.sink = check_count(f"{self.name}.sink", self.sink)
+        self.window = check_int(f"{self.name}.window", self.window)
+        self.sink = check_int(f"{self.name}.sink", self.sink)
         if self.budget is None:
             if self.sink + self.window == 0:
                 raise InvalidArgumentError(f"{self.name}.budget: expected a budget when sink + window == 0, got None")
@@ -316,7 +285,7 @@ class EvictionPolicy:
 
     # -- provided -------------------------------------------------------------
     def view(self, request_id: Hashable, step: int, token_ids, *, seq_len: int | None = None, num_new: int = 1,
-             scores: "ScoreAccumulator | None" = None, window_scores=None) -> PolicyView:
+             scores: ScoreAccumulator | None = None, window_scores=None) -> PolicyView:
         """Build the :class:`PolicyView` for one request, resolving this policy's budget.
 
         ``seq_len`` defaults to ``token_ids[-1] + 1`` (nothing evicted at the tail).
@@ -326,12 +295,10 @@ class EvictionPolicy:
             seq_len = int(ids[-1]) + 1 if ids.size else 0
         return PolicyView(request_id, step, ids, seq_len, self.budget.resolve(seq_len), num_new, scores, window_scores)
 
-    def make_accumulator(self) -> "ScoreAccumulator | None":
+    def make_accumulator(self) -> ScoreAccumulator | None:
         """A fresh per-request score accumulator when the policy ranks by exact scores, else None."""
         if self.score_source != "exact":
             return None
-        from vtoken.policies.scores import ScoreAccumulator
-
         return ScoreAccumulator(history=getattr(self, "history", 0))
 
     def recent_start(self, view: PolicyView) -> int:
@@ -484,7 +451,7 @@ class TraceRecorder:
         """Append one decision (victims are stored sorted and unique)."""
         ids = check_live_ids("token_ids", np.unique(as_index_array("token_ids", token_ids)))
         rid = int(request_id) if isinstance(request_id, np.integer) else request_id
-        d = Decision(check_count("step", step), rid, tuple(int(i) for i in ids))
+        d = Decision(check_int("step", step), rid, tuple(int(i) for i in ids))
         self.decisions.append(d)
         return d
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from vtoken.policies.base import EvictionPolicy, check_count, register, request_seed
+from vtoken.errors import check_int
+from vtoken.policies.base import EvictionPolicy, register, request_seed
 
 
 @register("random")
@@ -33,7 +34,7 @@ class RandomPolicy(EvictionPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        self.seed = check_count("random.seed", self.seed)
+        self.seed = check_int("random.seed", self.seed)
 
     def choose(self, view, candidates, n):
         rng = np.random.default_rng([self.seed, view.step, request_seed(view.request_id)])

@@ -23,8 +23,8 @@ Defaults: ``budget=0.5``, ``window=32``, ``history=64``.
 from dataclasses import dataclass
 from typing import Any
 
-from vtoken.errors import InvalidArgumentError
-from vtoken.policies.base import EvictionPolicy, check_count, lowest, register
+from vtoken.errors import InvalidArgumentError, check_int
+from vtoken.policies.base import EvictionPolicy, lowest, register
 
 
 @register("scissorhands")
@@ -39,7 +39,7 @@ class Scissorhands(EvictionPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        self.history = check_count("scissorhands.history", self.history, minimum=1)
+        self.history = check_int("scissorhands.history", self.history, min_value=1)
 
     def choose(self, view, candidates, n):
         acc = view.require_scores(self.name)

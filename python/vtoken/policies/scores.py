@@ -57,8 +57,8 @@ from collections import deque
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_tensor
-from vtoken.policies.base import check_count, check_live_ids
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int, check_tensor
+from vtoken.policies.ids import check_live_ids
 
 __all__ = ["ScoreAccumulator", "accumulate_batch", "as_numpy_scores", "window_key_scores"]
 
@@ -128,7 +128,7 @@ class ScoreAccumulator:
     _MIN_CAPACITY = 64
 
     def __init__(self, history: int = 0):
-        self.history = check_count("history", history)
+        self.history = check_int("history", history)
         self.steps = 0
         self._acc = np.zeros(0, dtype=np.float64)  # [capacity] summed mass per token id
         self._low = np.zeros(0, dtype=np.int32)  # [capacity] low records inside the ring

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from vtoken.errors import InvalidArgumentError
-from vtoken.policies.base import EvictionPolicy, check_count, lowest, register
+from vtoken.errors import check_int
+from vtoken.policies.base import EvictionPolicy, lowest, register
 
 
 @register("snapkv")
@@ -45,7 +46,7 @@ class SnapKV(EvictionPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if check_count("snapkv.kernel", self.kernel, minimum=1) % 2 == 0:
+        if check_int("snapkv.kernel", self.kernel, min_value=1) % 2 == 0:
             raise InvalidArgumentError(f"snapkv.kernel: expected an odd size (same-length pooling), got {self.kernel}")
         if self.pooling not in ("avgpool", "maxpool"):
             raise InvalidArgumentError(f"snapkv.pooling: expected 'avgpool' or 'maxpool', got {self.pooling!r}")

@@ -29,7 +29,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError, InvariantViolation, as_index_array
+from vtoken.errors import InvalidArgumentError, InvariantViolation, as_index_array, check_int
 from vtoken.pool import NULL_BLOCK
 
 
@@ -49,8 +49,7 @@ class VLLMBlockAllocator:
     """
 
     def __init__(self, block_pool, *, headroom: int = 0):
-        if not isinstance(headroom, (int, np.integer)) or isinstance(headroom, bool) or headroom < 0:
-            raise InvalidArgumentError(f"headroom: expected an int >= 0, got {headroom!r}")
+        check_int("headroom", headroom)
         if block_pool.null_block.block_id != NULL_BLOCK:
             raise InvalidArgumentError(
                 f"block_pool: expected the null block to be block {NULL_BLOCK}, got {block_pool.null_block.block_id}"
@@ -79,9 +78,7 @@ class VLLMBlockAllocator:
         return len(self._stash)
 
     def allocate(self, n: int) -> Optional[np.ndarray]:
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
-            raise InvalidArgumentError(f"n: expected an int >= 0, got {n!r}")
-        n = int(n)
+        n = check_int("n", n)
         if self._mirroring:
             if n > len(self._pending):
                 raise InvariantViolation(

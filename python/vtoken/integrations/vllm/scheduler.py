@@ -30,6 +30,7 @@ from typing import Optional
 
 import numpy as np
 
+from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError, InvariantViolation
 from vtoken.integrations.vllm.allocator import VLLMBlockAllocator, drop_hashes
 from vtoken.integrations.vllm.config import VTokenVLLMConfig
@@ -38,10 +39,6 @@ from vtoken.integrations.vllm.surgery import apply_block_list, block_ids
 from vtoken.ledger import OWNED, SHARED, BlockLedger
 from vtoken.pool import NULL_BLOCK
 from vtoken.table import TokenTable
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -144,7 +141,7 @@ class SchedulerSide:
                     f"mirror: request {rid!r} has {have} tokens in vtoken's table, vLLM computed {computed[rid]}"
                 )
             vids = block_ids(self.stm, rid)
-            lo, hi = _cdiv(have, self.S), _cdiv(have + n, self.S)
+            lo, hi = cdiv(have, self.S), cdiv(have + n, self.S)
             if len(vids) < hi:
                 raise InvariantViolation(f"mirror: vLLM holds {len(vids)} blocks for {rid!r}, {hi} needed")
             batch.append((rid, int(n), vids[lo:hi]))
@@ -190,7 +187,7 @@ class SchedulerSide:
         led, S = self.ledger, self.S
         vids = block_ids(self.stm, rid)
         full = num_computed // S
-        hits = vids[: _cdiv(num_computed, S)]
+        hits = vids[: cdiv(num_computed, S)]
         # Hits that live requests hold, unchanged at the same position, are shared.
         j = 0
         while j < full and led.state[hits[j]] in (OWNED, SHARED) and led.pos[hits[j]] == j:
