@@ -68,3 +68,35 @@ def test_kernels_never_import_vtoken(path):
         tree = ast.parse(f.read(), filename=path)
     bad = [f"{path}:{line}: {module}" for line, module in imported_modules(tree) if imports_vtoken(module)]
     assert not bad, "vtoken_kernels must not import vtoken:\n" + "\n".join(bad)
+
+
+# ------------------------------------------------------------ house rules
+WORD = "ARCHI" + "TECTURE"  # spelled apart so this file does not cite it
+
+
+def test_sources_cite_only_the_projects_own_docs():
+    """The design doc is docs/architecture.md; no source cites a file outside the repository."""
+    bad = []
+    for top in ("python", "vtoken_kernels", "csrc", "bench", "tests"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if name.endswith((".py", ".cu", ".cpp", ".h", ".sh", ".md")):
+                    path = os.path.join(dirpath, name)
+                    with open(path, encoding="utf-8") as f:
+                        if WORD in f.read():
+                            bad.append(os.path.relpath(path, ROOT))
+    assert not bad, f"cite docs/architecture.md instead: {bad}"
+    assert os.path.exists(os.path.join(ROOT, "docs", "architecture.md"))
+
+
+def test_no_class_in_the_package_exceeds_400_lines():
+    long = []
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "python", "vtoken")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                with open(path, encoding="utf-8") as f:
+                    tree = ast.parse(f.read(), filename=path)
+                long += [f"{os.path.relpath(path, ROOT)}:{n.name} ({n.end_lineno - n.lineno + 1})"
+                         for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno >= 400]
+    assert not long, long

@@ -1,4 +1,4 @@
-"""CopyEngine: the stage-aware, host-sync-free relocation copy (ARCHITECTURE.md §5.5–5.6).
+"""CopyEngine: the stage-aware, host-sync-free relocation copy (docs/architecture.md §6, docs/reclamation.md).
 
 GPU protocol, per step N that has moves (all plans of the step together):
 

@@ -1,4 +1,4 @@
-"""Relocation planner: which live tokens of a request move where (ARCHITECTURE.md §5.4).
+"""Relocation planner: which live tokens of a request move where (docs/reclamation.md).
 
 Pure numpy functions over a consistent snapshot of one request. They allocate
 nothing and mutate nothing: :class:`vtoken.reclaim.ReclamationManager` takes

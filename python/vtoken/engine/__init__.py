@@ -1,4 +1,4 @@
-"""vtoken's embedded reference engine (ARCHITECTURE §9): a Llama-family model in
+"""vtoken's embedded reference engine (docs/architecture.md §8): a Llama-family model in
 plain torch over the paged, token-indexed KV cache, and the runner that drives
 prefill and decode steps over the token table (CUDA graphs on GPU), and the
 continuous-batching scheduler with the native / naive / vtoken modes."""

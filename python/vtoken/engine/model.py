@@ -9,7 +9,7 @@ Weights come from a config (random, seeded: the default for tests, the demo
 and the trace experiments) or from a LOCAL checkpoint directory in Hugging Face
 Llama naming (``config.json`` + ``*.safetensors``). Nothing is downloaded.
 
-Attention follows the vtoken contract (ARCHITECTURE §4): each layer first
+Attention follows the vtoken contract (docs/architecture.md §5): each layer first
 writes the step's new K/V through ``slot_mapping`` (RoPE already applied, at
 the token's logical position, which never changes), then reads every live
 token of each request through ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]`` with

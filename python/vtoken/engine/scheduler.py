@@ -1,6 +1,6 @@
 """The embedded engine's scheduler: continuous batching over a block budget, in three modes.
 
-One :class:`Engine` step is ONE forward (ARCHITECTURE §5, §6):
+One :class:`Engine` step is ONE forward (docs/architecture.md §6, §7):
 
 1. **Admission.** ``ReclamationManager.admission_budget()`` gives the free
    blocks minus the headroom reserve and the backpressure flag. Under

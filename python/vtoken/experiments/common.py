@@ -4,7 +4,7 @@
   paired experiment on a laptop CPU in seconds) and ``gpu`` (TinyLlama-1.1B's
   shape in bf16, random weights, for GPU runs). ``--model-path`` loads a LOCAL
   Hugging Face Llama checkpoint instead; nothing is downloaded.
-- **Paired runs** (ARCHITECTURE §6). :func:`paired_run` serves the same prompts
+- **Paired runs** (docs/architecture.md §7). :func:`paired_run` serves the same prompts
   in each mode. The policy runs live once, in ``naive`` mode, with its victims
   recorded; every other evicting mode replays that trace
   (:class:`vtoken.policies.ReplayPolicy`, strict), so naive and vtoken see the

@@ -1,7 +1,7 @@
 """``vtoken demo``: one paired Native / Naive-Evict / vToken run, end to end (the README's main job).
 
 The same ``requests`` random prompts are served in the three modes of
-ARCHITECTURE §6 by the embedded engine, all resident at once (no queuing, no
+docs/architecture.md §7 by the embedded engine, all resident at once (no queuing, no
 preemption, so every mode sees the same batches). ``policy`` runs live in
 ``naive`` mode and its victims are recorded; ``vtoken`` replays that trace,
 so both evict exactly the same tokens, and their greedy outputs must be

@@ -1,4 +1,4 @@
-"""Token-level eviction policies behind one small contract (ARCHITECTURE §2, §7).
+"""Token-level eviction policies behind one small contract (docs/architecture.md §2, docs/policies.md).
 
 ``vtoken.policies.get(name, **cfg)`` builds a registered policy; ``available()``
 lists the names: ``h2o``, ``random``, ``scissorhands``, ``snapkv``,

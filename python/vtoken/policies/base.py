@@ -1,6 +1,6 @@
 """The eviction-policy contract: view, base class, budgets, registry and victim traces.
 
-A policy sits above the token table (ARCHITECTURE §2): it sees the logical
+A policy sits above the token table (docs/architecture.md §2): it sees the logical
 token ids of ONE request (an id is the token's RoPE position and is never
 reused), never a block id, and answers one question per step::
 
@@ -261,7 +261,7 @@ class EvictionPolicy:
     """
 
     name: ClassVar[str] = ""
-    #: Where the policy's scores come from (ARCHITECTURE §7): "exact" (a
+    #: Where the policy's scores come from (docs/policies.md): "exact" (a
     #: ScoreAccumulator in ``view.scores``), "window" (``view.window_scores``) or "none".
     score_source: ClassVar[str] = "none"
 
@@ -400,7 +400,7 @@ class Decision:
 
 
 class TraceRecorder:
-    """Records every decision of a policy, to replay it in paired runs (ARCHITECTURE §6).
+    """Records every decision of a policy, to replay it in paired runs (docs/architecture.md §7).
 
     Use it in place of the policy: ``rec = TraceRecorder(policy)``; then
     ``rec.select_victims(view)`` decides, records ``(step, request, victims)``

@@ -1,4 +1,4 @@
-"""Score sources for eviction policies, independent of any engine (ARCHITECTURE §7).
+"""Score sources for eviction policies, independent of any engine (docs/policies.md).
 
 Two sources feed the policies:
 
