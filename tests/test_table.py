@@ -761,3 +761,13 @@ def test_ledger_arrays_are_read_only_outside_the_ledger():
         with pytest.raises(ValueError, match="read-only"):
             getattr(t.ledger, name)[b] = 0
     t.check_invariants()
+
+
+def test_evict_batch_names_an_unsigned_id_past_int64_as_given():
+    t = error_table()
+    before = t.snapshot()
+    with pytest.raises(InvalidArgumentError, match="18446744073709551615"):
+        t.evict_batch(["a"], [np.array([2**64 - 1], dtype=np.uint64)])
+    assert_same(before, t.snapshot())
+    t.evict_batch(["a"], [np.array([0, 1], dtype=np.uint64)])  # small unsigned ids still work
+    assert not t.is_alive("a", [0, 1]).any()

@@ -90,8 +90,7 @@ class SlotListBuffers:
 
     def __init__(self, *, max_reqs: int, nnz_max: int, max_tokens: int, device="cpu"):
         for name, v in (("max_reqs", max_reqs), ("nnz_max", nnz_max), ("max_tokens", max_tokens)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise InvalidArgumentError(f"{name}: expected an int >= 1, got {v!r}")
+            check_int(name, v, min_value=1)
         dev = torch.device(device)
         self.device = dev
         self.max_reqs, self.nnz_max, self.max_tokens = int(max_reqs), int(nnz_max), int(max_tokens)

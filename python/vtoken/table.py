@@ -247,7 +247,7 @@ class TokenTable:
         tids = None
         try:  # fast path: 1-D integer numpy arrays, validated in C-level passes
             kinds = {d.kind for d in set(map(_DTYPE, parts))}
-            if kinds <= {"i", "u"} and parts:
+            if kinds <= {"i"} and parts:  # NOTE: unsigned ids go the slow way, which names values >= 2**63
                 tids = np.concatenate(parts)
         except (AttributeError, ValueError, TypeError):
             tids = None
