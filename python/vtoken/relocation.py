@@ -19,7 +19,7 @@ import numpy as np
 
 from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError, as_index_array, has_duplicates
-from vtoken.ledger import DST_INFLIGHT, OWNED, SHARED, SRC_INFLIGHT
+from vtoken.ledger import DST_INFLIGHT, OWNED, SHARED, SRC_INFLIGHT, STATE_NAMES
 from vtoken.pool import NULL_BLOCK
 
 _PRIVATE_STATES = (OWNED, SRC_INFLIGHT)
@@ -149,6 +149,25 @@ class RelocationTransitions:
         b = b[led.state[b] == OWNED]
         return b.astype(np.int32), led.live[b].astype(np.int32)
 
+    def _blocks_of(self, arg: str, blocks, req, state: int) -> np.ndarray:
+        """``blocks`` as unique int64 ids of blocks in ``state`` that ``req`` owns, or raise naming ``arg``."""
+        t = self.table
+        row = t.row_of(req)
+        led = t.ledger
+        b = as_index_array(arg, blocks)
+        if b.size == 0:
+            return b
+        if b.min() < 1 or b.max() >= led.num_blocks:
+            raise InvalidArgumentError(f"{arg}: expected ids in [1, {led.num_blocks}), got out-of-range ids")
+        if len(np.unique(b)) != len(b):
+            raise InvalidArgumentError(f"{arg}: expected unique ids, got duplicates")
+        ok = (led.state[b] == state) & (led.owner[b] == row)
+        if not ok.all():
+            raise InvalidArgumentError(
+                f"{arg}: expected {STATE_NAMES[state]} blocks of request {req!r}, got {b[~ok][:8].tolist()}"
+            )
+        return b
+
     def begin_relocation(self, req, src_blocks) -> None:
         """Mark ``src_blocks`` of ``req`` SRC_INFLIGHT (sources of a launched plan).
 
@@ -156,20 +175,10 @@ class RelocationTransitions:
         source is never released by Naive-Evict, even if it empties.
         """
         t = self.table
-        row = t.row_of(req)
         led = t.ledger
-        b = as_index_array("src_blocks", src_blocks)
+        b = self._blocks_of("src_blocks", src_blocks, req, OWNED)
         if b.size == 0:
             return
-        if b.min() < 1 or b.max() >= led.num_blocks:
-            raise InvalidArgumentError(f"src_blocks: expected ids in [1, {led.num_blocks}), got out-of-range ids")
-        if len(np.unique(b)) != len(b):
-            raise InvalidArgumentError("src_blocks: expected unique ids, got duplicates")
-        ok = (led.state[b] == OWNED) & (led.owner[b] == row)
-        if not ok.all():
-            raise InvalidArgumentError(
-                f"src_blocks: expected OWNED blocks of request {req!r}, got {b[~ok][:8].tolist()}"
-            )
         tail = t.tail_block(req)
         if (b == tail).any():
             raise InvalidArgumentError(f"src_blocks: expected non-tail blocks, got the tail block {tail}")
@@ -200,19 +209,6 @@ class RelocationTransitions:
 
     def release_destinations(self, req, dst_blocks) -> None:
         """Free ``req``'s DST_INFLIGHT blocks that a commit did not place (abort, unused)."""
-        t = self.table
-        row = t.row_of(req)
-        led = t.ledger
-        b = as_index_array("dst_blocks", dst_blocks)
-        if b.size == 0:
-            return
-        if b.min() < 1 or b.max() >= led.num_blocks:
-            raise InvalidArgumentError(f"dst_blocks: expected ids in [1, {led.num_blocks}), got out-of-range ids")
-        if len(np.unique(b)) != len(b):
-            raise InvalidArgumentError("dst_blocks: expected unique ids, got duplicates")
-        ok = (led.state[b] == DST_INFLIGHT) & (led.owner[b] == row)
-        if not ok.all():
-            raise InvalidArgumentError(
-                f"dst_blocks: expected DST_INFLIGHT blocks of request {req!r}, got {b[~ok][:8].tolist()}"
-            )
-        led.release(b)
+        b = self._blocks_of("dst_blocks", dst_blocks, req, DST_INFLIGHT)
+        if b.size:
+            self.table.ledger.release(b)
