@@ -258,3 +258,24 @@ def test_a_mirror_made_late_and_one_made_early_agree_with_the_table():
     assert reclaimed > 0
     for m in (rt.mirror, late):
         m.check_against_table()
+
+
+def test_evicting_an_unknown_request_changes_neither_the_table_nor_the_mirror():
+    """The mirror has no evict of its own: the table rejects first, so the two never disagree."""
+    from vtoken.errors import UnknownRequestError
+
+    rt = Runtime(num_blocks=32, block_size=4, mirror=True)
+    rt.add("a")
+    rt.append(["a"], [6])
+    m = rt.mirror
+    m.sync()
+    m.flush()
+    before, dev = rt.table.snapshot(), (m.slots.clone(), m.alive.clone())
+    with pytest.raises(UnknownRequestError, match="req: "):
+        rt.table.evict("zzz", [0])
+    assert_same(before, rt.table.snapshot())
+    m.sync()
+    m.flush()
+    assert torch.equal(dev[0], m.slots) and torch.equal(dev[1], m.alive)
+    assert not hasattr(m, "evict")
+    m.check_against_table()

@@ -21,6 +21,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
+from vtoken import cdiv
 from vtoken.errors import InvariantViolation, debug_checks_enabled, has_duplicates
 from vtoken.layout import KVLayout
 from vtoken.ledger import DST_INFLIGHT, FREE, OWNED, SHARED, SRC_INFLIGHT
@@ -169,7 +170,7 @@ def check_plan(plan, table, *, pre_launch: bool = True) -> None:
     m = plan.num_moves
     if len(src) <= len(dst):
         raise InvariantViolation(f"I4: gate len(src)={len(src)} > N_dst={len(dst)} does not hold")
-    if len(dst) != -(-m // S):
+    if len(dst) != cdiv(m, S):
         raise InvariantViolation(f"I4: N_dst={len(dst)} != ceil(T_live={m} / S={S})")
     if len(np.unique(src)) != len(src) or len(np.unique(dst)) != len(dst) or np.intersect1d(src, dst).size:
         raise InvariantViolation("I4: sources / destinations not unique and disjoint")

@@ -31,6 +31,7 @@ from typing import Hashable, Optional
 
 import numpy as np
 
+from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError
 
 _NEG = np.int64(-(1 << 62))
@@ -130,7 +131,7 @@ def select_sources(
         order = order[:max_src]
     cum = np.cumsum(live[order], dtype=np.int64)
     k = np.arange(1, len(order) + 1, dtype=np.int64)
-    ndst = -(-cum // S)
+    ndst = cdiv(cum, S)
     gain = k - ndst
     ok = np.ones(len(order), dtype=bool)
     if max_moves is not None:

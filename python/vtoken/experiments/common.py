@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError, VTokenError, check_int
 
 MODEL_PRESETS = {
@@ -266,7 +267,7 @@ def headroom_blocks(num_blocks: int) -> int:
 
 def full_blocks(prompt_len: int, output_len: int, block_size: int) -> int:
     """Blocks one request holds with nothing evicted: the prompt and every output token but the last."""
-    return -(-(prompt_len + output_len - 1) // block_size)
+    return cdiv(prompt_len + output_len - 1, block_size)
 
 
 def fit_num_blocks(requests: int, per_request: int) -> int:
@@ -323,7 +324,7 @@ def summarize_mode(eng, outputs: list, seconds: float) -> ModeRun:
         retained_blocks_per_request=float(retained.mean()),
         utilization=float(live.sum() / (retained.sum() * S)),
         waste_ratio_mean=float(eng.reclaimer.metrics.totals.mean_waste_ratio),
-        ideal_blocks_per_request=float(np.mean(-(-live // S))),
+        ideal_blocks_per_request=float(np.mean(cdiv(live, S))),
         peak_blocks=int(eng.peak_blocks), peak_blocks_per_request=int(peak_req),
         usable_blocks=int(eng.usable_blocks), max_concurrency=int(eng.usable_blocks // peak_req),
         tokens_per_s=float(s["tokens_per_s"]), seconds=float(seconds),

@@ -155,7 +155,7 @@ def run_fragmentation(cfg: FragmentationConfig, *, progress=None) -> Fragmentati
         frac_blocks_le_25pct=ledger.frac_blocks_at_most(0.25),
         frac_blocks_le_50pct=ledger.frac_blocks_at_most(0.5),
         retained_blocks_per_request=ledger.num_allocated / R,
-        ideal_blocks_per_request=float(np.mean(-(-live // S))),
+        ideal_blocks_per_request=float(np.mean(cdiv(live, S))),
         table_bytes_per_token=table.nbytes() / table.total_tokens(),
     )
 

@@ -24,6 +24,7 @@ from typing import Optional
 
 import numpy as np
 
+from vtoken import cdiv
 from vtoken.errors import check_int
 from vtoken.experiments.common import (
     MODEL_PRESETS,
@@ -89,7 +90,7 @@ def policy_victims(policy: str, *, requests: int, context: int, evict_ratio: flo
         S = 16  # the victims are logical ids: the runner's block size does not change them
         chunk = min(PREFILL_CHUNK, context)
         runner = ModelRunner(lm, RunnerConfig(
-            num_blocks=-(-context // S) + 2, block_size=S, max_num_reqs=1, max_num_tokens=chunk,
+            num_blocks=cdiv(context, S) + 2, block_size=S, max_num_reqs=1, max_num_tokens=chunk,
             key_scores="sum" if pol.score_source == "exact" else "none", cuda_graph=False))
         win = int(pol.window) if pol.score_source == "window" else 0
         prompts = make_prompts(requests, context, lm.config.vocab_size, seed)

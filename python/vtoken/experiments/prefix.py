@@ -45,6 +45,7 @@ from typing import Optional
 
 import numpy as np
 
+from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError
 from vtoken.experiments.common import (
     EAGER_RECLAIM,
@@ -293,7 +294,7 @@ def run_prefix(cfg: PrefixConfig, *, progress: Optional[Progress] = None) -> Pre
             "naive_retained_blocks": naive["retained_blocks"],
             "vtoken_retained_blocks": vt["retained_blocks"],
             "retained_vs_naive": vt["retained_blocks"] / naive["retained_blocks"],
-            "packed_blocks": -(-vt["live_tokens"] // cfg.block_size),
+            "packed_blocks": cdiv(vt["live_tokens"], cfg.block_size),
             "evicted_tokens": naive["evicted_tokens"],
             "outputs_identical": naive["outputs"] == vt["outputs"],
         })
