@@ -46,6 +46,8 @@ CONFIGS = [
     ("tova", {"budget": 0.5, "window": 2, "sink": 2}),
     ("scissorhands", {"budget": 0.5, "window": 2, "history": 3}),
     ("scissorhands", {"budget": 10, "window": 4, "sink": 1, "history": 64}),
+    ("random", {"budget": 0.5, "window": 2, "seed": 3}),
+    ("random", {"budget": 6, "sink": 2, "window": 0, "seed": 2**40 + 5}),
 ]
 
 
