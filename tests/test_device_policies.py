@@ -46,6 +46,9 @@ CONFIGS = [
     ("tova", {"budget": 0.5, "window": 2, "sink": 2}),
     ("scissorhands", {"budget": 0.5, "window": 2, "history": 3}),
     ("scissorhands", {"budget": 10, "window": 4, "sink": 1, "history": 64}),
+    ("snapkv", {"budget": 12, "window": 4}),
+    ("snapkv", {"budget": 0.5, "window": 2, "sink": 1, "kernel": 3, "pooling": "maxpool"}),
+    ("snapkv", {"budget": 9, "window": 1, "kernel": 7}),
     ("random", {"budget": 0.5, "window": 2, "seed": 3}),
     ("random", {"budget": 6, "sink": 2, "window": 0, "seed": 2**40 + 5}),
 ]
@@ -68,7 +71,7 @@ class Sim:
         self.state = DevicePolicyState.for_policy(policy, SEG * num_reqs, "cpu")
         self.step = 0
 
-    def batch(self, order, new):
+    def batch(self, order, new, window_step=None):
         """Append ``new[r]`` tokens to each request of ``order`` and build the device batch."""
         for r in order:
             self.live[r] = np.concatenate([self.live[r], np.arange(self.seq[r], self.seq[r] + new[r])])
@@ -84,13 +87,18 @@ class Sim:
             mirror_starts=t([self.start[r] for r in order]), seq_len=t(seqs), num_new=t([new[r] for r in order]),
             budget=torch.from_numpy(resolve_budgets(self.policy, seqs)), num_reqs=len(order),
             step=t([self.step] * len(order)), request_seed=t([fold32(request_seed(r)) for r in order]),
+            window_step=None if window_step is None else t(window_step, torch.bool),
         ), indptr
 
     def run_step(self, order, new, coarse):
-        batch, indptr = self.batch(order, new)
-        ks = _scores(self.rng, (batch.nnz_max, 2), coarse)
+        votes = self.policy.score_source == "window"
+        window_step = [self.step == 0 or bool(self.rng.random() < 0.3) for _ in order] if votes else None
+        batch, indptr = self.batch(order, new, window_step)
+        ks = _scores(self.rng, (batch.nnz_max, 3 if votes else 2), coarse)
         ks[indptr[-1]:] = np.nan  # padding rows hold garbage; the device must ignore them
-        if self.policy.device_state:
+        if votes:
+            self.policy.record_votes_device(self.state, batch, torch.from_numpy(ks))
+        elif self.policy.device_state:
             self.state.update(batch, torch.from_numpy(ks))
         for i, r in enumerate(order):
             if self.accs[r] is not None:
@@ -100,8 +108,9 @@ class Sim:
         assert mask.shape == (batch.nnz_max,) and mask.dtype == torch.bool and not mask[indptr[-1]:].any()
         got = batch.kv_pos.to(torch.int64).numpy()
         for i, r in enumerate(order):
+            ws = ks[indptr[i]: indptr[i + 1]] if votes and window_step[i] else None
             view = self.policy.view(r, self.step, self.live[r], seq_len=self.seq[r], num_new=new[r],
-                                    scores=self.accs[r])
+                                    scores=self.accs[r], window_scores=ws)
             expect = self.policy.select_victims(view)
             seg = slice(indptr[i], indptr[i + 1])
             victims = got[seg][mask[seg].numpy()]
