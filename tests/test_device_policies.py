@@ -261,3 +261,30 @@ def test_selection_reads_nothing_back_from_the_device():
     state.update(batch, torch.zeros(4, 2, device="meta"))
     mask, counts = policy.select_victims_device(state, batch)
     assert mask.device.type == "meta" and mask.shape == (4,) and counts.shape == (1,)
+
+
+def test_snapkv_decode_step_evicts_nothing_without_window_votes():
+    policy = P.get("snapkv", budget=2, window=1)
+    state = DevicePolicyState.for_policy(policy, 8, "cpu")
+    mask, counts = policy.select_victims_device(state, _tiny_batch())  # window_step None: a decode step
+    assert not mask.any() and counts.tolist() == [0]
+
+
+def test_relayout_moves_the_state_with_the_mirror():
+    state = DevicePolicyState(4, "cpu", accumulated=True, history=3)
+    state.accumulated[:4] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    state.seen[:4] = torch.tensor([1, 2, 3, 3], dtype=torch.int32)
+    state.accumulated[4] = 99.0  # trash slot garbage must not leak into fresh positions
+    state.relayout(torch.tensor([2, -1, 0, 3, -1, 1]))
+    assert state.capacity == 6 and state.accumulated.shape == (7,)
+    assert state.accumulated[:6].tolist() == [3.0, 0.0, 1.0, 4.0, 0.0, 2.0]
+    assert state.seen[:6].tolist() == [3, 0, 1, 3, 0, 2]
+
+
+@pytest.mark.parametrize("module", ["vtoken.policies.device", "vtoken.policies.counter_hash"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    failures, tried = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert failures == 0 and tried > 0

@@ -29,6 +29,8 @@ What every policy inherits from :class:`EvictionPolicy`:
   The base class enforces this after every ``choose`` call, for every policy.
 - **Ties** go to the older token (smaller id) first, so decisions are a pure
   function of the view: :func:`lowest` sorts stably over candidates in id order.
+  NaN ranks after every number and -0.0 equals 0.0; the device path
+  (:mod:`vtoken.policies.device`) applies the very same rule.
 
 A new policy is a dataclass with a ``choose(view, candidates, n)`` method; see
 ``docs/policies.md`` and any of the six policy modules next to this one.

@@ -70,7 +70,7 @@ class SnapKV(EvictionPolicy):
         return lowest(candidates, pooled[np.searchsorted(view.token_ids[prefix], candidates)], n)
 
     def record_votes_device(self, state, batch, window_scores):
-        """Pool ``window_scores`` float [nnz_max, H] (rows as kv_pos) into ``state.votes``, window-step requests only."""
+        """Pool ``window_scores`` float [nnz_max, H] (rows as kv_pos) into ``state.votes`` (window-step requests)."""
         from vtoken.policies.device import segmented_pool
 
         prefix = (batch.pos < batch.recent_start(self.window)) & batch.per_entry(self.device_active(batch), False)
@@ -80,11 +80,9 @@ class SnapKV(EvictionPolicy):
         pooled = segmented_pool(votes, prefix & batch.valid, batch.req, self.kernel, self.pooling).sum(1)
         state.votes.index_copy_(0, batch.mirror_pos(state.capacity).where(prefix, state.capacity), pooled)
 
-    def device_active(self, batch):
-        """Only the requests whose window votes this step evict (a decode step evicts nothing)."""
-        import torch
-
-        return batch.window_step if batch.window_step is not None else torch.zeros_like(batch.seq_len, dtype=bool)
+    def device_active(self, batch):  # only the requests whose window votes this step evict; decode steps none
+        none = batch.seq_len.new_zeros(batch.seq_len.shape, dtype=bool)
+        return batch.window_step if batch.window_step is not None else none
 
     def device_priority(self, state, batch):
         return state.votes[batch.mirror_pos(state.capacity)]
