@@ -33,6 +33,7 @@ from vtoken.policies.device import (
 
 torch.set_num_threads(1)
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SEG = 256  # mirror segment per request
 PAD_ROWS = 5  # packed entries past kv_indptr[num_reqs]
 
@@ -62,13 +63,13 @@ def _scores(rng, shape, coarse):
 class Sim:
     """A batch of requests that grow and lose victims step after step, with a mirror layout."""
 
-    def __init__(self, policy, rng, num_reqs):
-        self.policy, self.rng = policy, rng
+    def __init__(self, policy, rng, num_reqs, device="cpu"):
+        self.policy, self.rng, self.device = policy, rng, torch.device(device)
         self.live = {r: np.zeros(0, np.int64) for r in range(num_reqs)}
         self.seq = {r: 0 for r in range(num_reqs)}
         self.start = {r: int(s) * SEG for r, s in enumerate(rng.permutation(num_reqs))}
         self.accs = {r: policy.make_accumulator() for r in range(num_reqs)}
-        self.state = DevicePolicyState.for_policy(policy, SEG * num_reqs, "cpu")
+        self.state = DevicePolicyState.for_policy(policy, SEG * num_reqs, device)
         self.step = 0
 
     def batch(self, order, new, window_step=None):
@@ -81,11 +82,11 @@ class Sim:
         indptr = np.concatenate([[0], np.cumsum(counts)])
         kv_pos = np.concatenate(lives + [np.full(PAD_ROWS, -1)]).astype(np.int32)
         seqs = [self.seq[r] for r in order]
-        t = lambda a, dt=torch.int64: torch.tensor(np.asarray(a), dtype=dt)  # noqa: E731
+        t = lambda a, dt=torch.int64: torch.tensor(np.asarray(a), dtype=dt, device=self.device)  # noqa: E731
         return DeviceBatch(
-            kv_pos=torch.from_numpy(kv_pos), kv_indptr=t(indptr, torch.int32),
+            kv_pos=t(kv_pos, torch.int32), kv_indptr=t(indptr, torch.int32),
             mirror_starts=t([self.start[r] for r in order]), seq_len=t(seqs), num_new=t([new[r] for r in order]),
-            budget=torch.from_numpy(resolve_budgets(self.policy, seqs)), num_reqs=len(order),
+            budget=t(resolve_budgets(self.policy, seqs)), num_reqs=len(order),
             step=t([self.step] * len(order)), request_seed=t([fold32(request_seed(r)) for r in order]),
             window_step=None if window_step is None else t(window_step, torch.bool),
         ), indptr
@@ -97,16 +98,18 @@ class Sim:
         ks = _scores(self.rng, (batch.nnz_max, 3 if votes else 2), coarse)
         ks[indptr[-1]:] = np.nan  # padding rows hold garbage; the device must ignore them
         if votes:
-            self.policy.record_votes_device(self.state, batch, torch.from_numpy(ks))
+            self.policy.record_votes_device(self.state, batch, torch.from_numpy(ks).to(self.device))
         elif self.policy.device_state:
-            self.state.update(batch, torch.from_numpy(ks))
+            self.state.update(batch, torch.from_numpy(ks).to(self.device))
         for i, r in enumerate(order):
             if self.accs[r] is not None:
                 self.accs[r].update(self.live[r], ks[indptr[i]: indptr[i + 1]])
         self.check_state(batch, order)
         mask, counts = self.policy.select_victims_device(self.state, batch)
+        assert mask.device == self.device and counts.device == self.device
+        mask, counts = mask.cpu(), counts.cpu()
         assert mask.shape == (batch.nnz_max,) and mask.dtype == torch.bool and not mask[indptr[-1]:].any()
-        got = batch.kv_pos.to(torch.int64).numpy()
+        got = batch.kv_pos.to(torch.int64).cpu().numpy()
         for i, r in enumerate(order):
             ws = ks[indptr[i]: indptr[i + 1]] if votes and window_step[i] else None
             view = self.policy.view(r, self.step, self.live[r], seq_len=self.seq[r], num_new=new[r],
@@ -127,24 +130,25 @@ class Sim:
             acc, ids = self.accs[r], self.live[r]
             if acc is None or ids.size == 0:
                 continue
-            mp = torch.from_numpy(ids + self.start[r])
+            mp = torch.from_numpy(ids + self.start[r]).to(self.device)
             if st.accumulated is not None:
-                assert st.accumulated[mp].numpy().tolist() == acc.accumulated(ids).tolist()
+                assert st.accumulated[mp].tolist() == acc.accumulated(ids).tolist()
             if st.last is not None:
-                assert st.last[mp].numpy().tolist() == acc.last(ids).tolist()
+                assert st.last[mp].tolist() == acc.last(ids).tolist()
             if st.history:
-                assert popcount64(st.low_bits[mp]).numpy().tolist() == acc.low_counts(ids).tolist()
-                assert st.seen[mp].numpy().tolist() == acc.seen_counts(ids).tolist()
-                assert st.low_fraction(mp).numpy().tolist() == acc.low_fraction(ids).tolist()
+                assert popcount64(st.low_bits[mp]).tolist() == acc.low_counts(ids).tolist()
+                assert st.seen[mp].tolist() == acc.seen_counts(ids).tolist()
+                assert st.low_fraction(mp).tolist() == acc.low_fraction(ids).tolist()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("name,cfg", CONFIGS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CONFIGS)])
-def test_device_decisions_equal_the_numpy_oracle(name, cfg, seed):
+def test_device_decisions_equal_the_numpy_oracle(name, cfg, seed, device):
     rng = np.random.default_rng(seed)
     policy = P.get(name, **cfg)
     num_reqs = int(rng.integers(1, 9))
-    sim = Sim(policy, rng, num_reqs)
+    sim = Sim(policy, rng, num_reqs, device)
     evicted = 0
     for step in range(14):
         order = [int(r) for r in rng.permutation(num_reqs) if step == 0 or rng.random() < 0.8]
@@ -213,7 +217,7 @@ def test_order_key_orders_like_a_stable_float_sort():
 
 
 def test_popcount64_counts_every_bit():
-    vals = [0, 1, -1, 1 << 63 if False else -(1 << 63), 0x5555555555555555, 12345678901234567]
+    vals = [0, 1, -1, -(1 << 63), 0x5555555555555555, 12345678901234567]
     got = popcount64(torch.tensor(vals, dtype=torch.int64)).tolist()
     assert got == [bin(v & ((1 << 64) - 1)).count("1") for v in vals]
 
