@@ -134,14 +134,15 @@ class DeviceBatch:
         return self.kv_pos.numel()
 
     @functools.cached_property
-    def _bounds(self) -> tuple:
+    def bounds(self) -> tuple:
+        """(starts, ends, first): int64 [num_reqs] CSR bounds and kv_indptr[0] as a 0-d tensor."""
         ptr = self.kv_indptr[: self.num_reqs + 1].to(torch.int64)
         return ptr[:-1], ptr[1:], ptr[0]
 
     @functools.cached_property
     def req(self) -> torch.Tensor:
         """int64 [nnz_max]: each entry's request, ``num_reqs`` for padding."""
-        starts, ends, first = self._bounds
+        starts, ends, first = self.bounds
         entry = torch.arange(self.nnz_max, device=self.device)
         req = torch.searchsorted(ends, entry, right=True)
         return torch.where(entry < first, self.num_reqs, req)
@@ -163,7 +164,7 @@ class DeviceBatch:
     @property
     def live(self) -> torch.Tensor:
         """int64 [num_reqs]: live tokens per request."""
-        starts, ends, _ = self._bounds
+        starts, ends, _ = self.bounds
         return ends - starts
 
     def recent_start(self, window: int) -> torch.Tensor:
@@ -344,7 +345,7 @@ def select_victims(policy, state: DevicePolicyState, batch: DeviceBatch) -> tupl
     cand = batch.valid & (pos >= policy.sink) & (pos < batch.recent_start(policy.window))
     # candidates per request: differences of the exclusive prefix count at the CSR bounds
     ccount = torch.cat([cand.new_zeros(1, dtype=torch.int64), torch.cumsum(cand, 0)])
-    starts, ends, first = batch._bounds
+    starts, ends, first = batch.bounds
     n = torch.clamp(torch.minimum(batch.live - batch.budget[:nreq], ccount[ends] - ccount[starts]), min=0)
     if policy.max_victims_per_step is not None:
         n = torch.clamp(n, max=policy.max_victims_per_step)
