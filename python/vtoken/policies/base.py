@@ -29,6 +29,8 @@ What every policy inherits from :class:`EvictionPolicy`:
   The base class enforces this after every ``choose`` call, for every policy.
 - **Ties** go to the older token (smaller id) first, so decisions are a pure
   function of the view: :func:`lowest` sorts stably over candidates in id order.
+  NaN ranks after every number and -0.0 equals 0.0; the device path
+  (:mod:`vtoken.policies.device`) applies the very same rule.
 
 A new policy is a dataclass with a ``choose(view, candidates, n)`` method; see
 ``docs/policies.md`` and any of the six policy modules next to this one.
@@ -264,6 +266,11 @@ class EvictionPolicy:
     #: Where the policy's scores come from (docs/policies.md): "exact" (a
     #: ScoreAccumulator in ``view.scores``), "window" (``view.window_scores``) or "none".
     score_source: ClassVar[str] = "none"
+    #: Device path (:mod:`vtoken.policies.device`): the per-token state the
+    #: policy ranks by ("accumulated", "last", "low", "votes") and a cap on the
+    #: victims of one step (TOVA: 1), both beside the policy's ``device_priority``.
+    device_state: ClassVar[tuple] = ()
+    max_victims_per_step: ClassVar[int | None] = None
 
     budget: Any = 0.5
     window: int = 32
@@ -283,7 +290,25 @@ class EvictionPolicy:
         """Return at most ``n`` victims among ``candidates`` (sorted unprotected live ids), ``1 <= n <= len``."""
         raise NotImplementedError(f"{type(self).__name__}.choose")
 
+    def device_priority(self, state, batch):
+        """float64 [nnz_max]: one priority per packed entry of ``batch``, lowest evicted first (device path)."""
+        raise NotImplementedError(f"{type(self).__name__}.device_priority")
+
+    def device_active(self, batch):
+        """bool [>= num_reqs] where the policy may evict this step, or None for every request."""
+        return None
+
     # -- provided -------------------------------------------------------------
+    def select_victims_device(self, state, batch):
+        """Every request of a device batch at once: ``(mask [nnz_max] bool, counts [num_reqs] int64)``.
+
+        The device twin of :meth:`select_victims` (same victims, same tie-break);
+        see :func:`vtoken.policies.device.select_victims`.
+        """
+        from vtoken.policies.device import select_victims  # torch only where the device path is used
+
+        return select_victims(self, state, batch)
+
     def view(self, request_id: Hashable, step: int, token_ids, *, seq_len: int | None = None, num_new: int = 1,
              scores: ScoreAccumulator | None = None, window_scores=None) -> PolicyView:
         """Build the :class:`PolicyView` for one request, resolving this policy's budget.

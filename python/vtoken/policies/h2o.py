@@ -42,5 +42,10 @@ class H2O(EvictionPolicy):
     budget: Any = 0.2
     window: int = 32
 
+    device_state = ("accumulated",)
+
     def choose(self, view, candidates, n):
         return lowest(candidates, view.require_scores(self.name).accumulated(candidates), n)
+
+    def device_priority(self, state, batch):
+        return state.accumulated[batch.mirror_pos(state.capacity)]

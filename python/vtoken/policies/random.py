@@ -6,9 +6,13 @@ Source: the random-eviction baseline of H2O, https://arxiv.org/abs/2306.14048
 Definition. When the request is over budget, evict tokens drawn uniformly
 without replacement from the unprotected live tokens, as many as needed.
 
-Determinism: the draw uses ``numpy.random.default_rng([seed, step,
-request_seed(request_id)])``, so a decision depends only on the seed, the step,
-the request and its live ids, not on the order in which requests are asked.
+Determinism: each token draws ``token_priority(key, token_id)`` with ``key =
+request_key(seed, step, request_seed(request_id))``, a counter-based hash
+(:mod:`vtoken.policies.counter_hash`), and the lowest draws are evicted (ties:
+the older token). The draws are i.i.d. uniform 32-bit values, so the evicted
+set is a uniform draw without replacement; a decision depends only on the
+seed, the step, the request and its live ids, not on the order in which
+requests are asked, and the device path computes the very same draws.
 
 Scores: none.
 
@@ -19,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from vtoken.errors import check_int
-from vtoken.policies.base import EvictionPolicy, register, request_seed
+from vtoken.errors import InvalidArgumentError, check_int
+from vtoken.policies.base import EvictionPolicy, lowest, register, request_seed
+from vtoken.policies.counter_hash import request_key, token_priority
 
 
 @register("random")
@@ -37,5 +42,11 @@ class RandomPolicy(EvictionPolicy):
         self.seed = check_int("random.seed", self.seed)
 
     def choose(self, view, candidates, n):
-        rng = np.random.default_rng([self.seed, view.step, request_seed(view.request_id)])
-        return rng.choice(candidates, size=n, replace=False)
+        key = request_key(self.seed, view.step, request_seed(view.request_id))
+        return lowest(candidates, token_priority(key, candidates).astype(np.float64), n)
+
+    def device_priority(self, state, batch):
+        if batch.step is None or batch.request_seed is None:
+            raise InvalidArgumentError("batch.step/request_seed: expected per-request tensors for random, got None")
+        key = batch.per_entry(request_key(self.seed, batch.step, batch.request_seed), 0)
+        return token_priority(key, batch.pos).double()

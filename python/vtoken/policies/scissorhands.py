@@ -36,6 +36,7 @@ class Scissorhands(EvictionPolicy):
     budget: Any = 0.5
     window: int = 32
     history: int = 64
+    device_state = ("low",)
 
     def __post_init__(self):
         super().__post_init__()
@@ -48,3 +49,6 @@ class Scissorhands(EvictionPolicy):
                 f"view.scores.history: expected {self.history} (use policy.make_accumulator()), got {acc.history}"
             )
         return lowest(candidates, -acc.low_fraction(candidates), n)
+
+    def device_priority(self, state, batch):
+        return -state.low_fraction(batch.mirror_pos(state.capacity))

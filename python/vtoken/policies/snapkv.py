@@ -20,6 +20,10 @@ Scores: window. The caller computes ``view.window_scores`` once with
 against the live keys) and builds that view with ``num_new=1``; a view without
 window scores (a decode step) yields no victims.
 
+Device path: :meth:`SnapKV.record_votes_device` pools a batch's window votes
+into the per-token ``votes`` state on the step the window votes
+(``batch.window_step``); only those requests evict, by the same ranking.
+
 Defaults (the public code's): ``budget=2048`` tokens, ``window=32``,
 ``kernel=5``, ``pooling="avgpool"``.
 """
@@ -43,6 +47,7 @@ class SnapKV(EvictionPolicy):
     window: int = 32
     kernel: int = 5
     pooling: str = "avgpool"
+    device_state = ("votes",)
 
     def __post_init__(self):
         super().__post_init__()
@@ -63,3 +68,21 @@ class SnapKV(EvictionPolicy):
         win = np.lib.stride_tricks.sliding_window_view(votes, self.kernel, axis=-1)
         pooled = (win.mean(-1) if self.pooling == "avgpool" else win.max(-1)).sum(0)
         return lowest(candidates, pooled[np.searchsorted(view.token_ids[prefix], candidates)], n)
+
+    def record_votes_device(self, state, batch, window_scores):
+        """Pool ``window_scores`` float [nnz_max, H] (rows as kv_pos) into ``state.votes`` (window-step requests)."""
+        from vtoken.policies.device import segmented_pool
+
+        prefix = (batch.pos < batch.recent_start(self.window)) & batch.per_entry(self.device_active(batch), False)
+        votes = window_scores.double().reshape(batch.nnz_max, -1)
+        if self.pooling == "avgpool":  # linear: heads first, as choose
+            votes = votes.sum(1, keepdim=True)
+        pooled = segmented_pool(votes, prefix & batch.valid, batch.req, self.kernel, self.pooling).sum(1)
+        state.votes.index_copy_(0, batch.mirror_pos(state.capacity).where(prefix, state.capacity), pooled)
+
+    def device_active(self, batch):  # only the requests whose window votes this step evict; decode steps none
+        none = batch.seq_len.new_zeros(batch.seq_len.shape, dtype=bool)
+        return batch.window_step if batch.window_step is not None else none
+
+    def device_priority(self, state, batch):
+        return state.votes[batch.mirror_pos(state.capacity)]

@@ -38,3 +38,6 @@ class StreamingLLM(EvictionPolicy):
 
     def choose(self, view, candidates, n):
         return candidates[:n]
+
+    def device_priority(self, state, batch):
+        return batch.pos.to(float)  # the oldest first

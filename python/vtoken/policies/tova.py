@@ -31,5 +31,11 @@ class TOVA(EvictionPolicy):
     budget: Any = 512
     window: int = 0
 
+    device_state = ("last",)
+    max_victims_per_step = 1
+
     def choose(self, view, candidates, n):
         return lowest(candidates, view.require_scores(self.name).last(candidates), 1)
+
+    def device_priority(self, state, batch):
+        return state.last[batch.mirror_pos(state.capacity)]
