@@ -24,6 +24,7 @@ import zlib
 
 import pytest
 import torch
+import triton
 
 from aot_helpers import AOT_ARCHS, compile_kernel, compile_module_in_fresh_process, expected_compiles
 from vtoken import ops
@@ -504,13 +505,15 @@ def _aot_specs():
     """The launcher's real configs (from _config): decode / prefill x dtypes x head dims.
 
     Every dtype, head dim, decode and prefill, split and not: the main kernel six
-    times, the key-score kernel once per dtype, the reduce kernel per split case.
+    times, the decode logit-score kernel and the prefill key-score kernel where
+    scores are on, the reduce kernel per split case.
     """
     specs = []
     for decode, dtype, head_dim, group, split, scores in [
         (True, torch.bfloat16, 128, 4, True, True),
         (True, torch.float16, 64, 1, False, False),
         (True, torch.float32, 256, 8, True, False),
+        (True, torch.float16, 96, 2, False, True),
         (False, torch.bfloat16, 128, 4, False, False),
         (False, torch.float16, 256, 2, False, True),
         (False, torch.float32, 64, 1, False, True),
@@ -530,16 +533,23 @@ def _aot_specs():
         tag = f"{'decode' if decode else 'prefill'}-{dt}-D{head_dim}-g{group}"
         specs.append(dict(
             id=f"main-{tag}{'-split' if split else ''}", kernel="_token_attention_kernel", num_warps=cfg["num_warps"],
-            constexprs=dict(common, SPLIT=split, WRITE_LSE=True),
+            constexprs=dict(common, SPLIT=split, WRITE_LSE=True, WRITE_LOGITS=scores and decode),
             types=dict(idx_ptrs, q_ptr=f"*{dt}", kv_ptr=f"*{dt}", out_ptr=f"*{dt}", lse_ptr="*fp32",
-                       mid_o_ptr="*fp32", mid_lse_ptr="*fp32", qk_scale="fp32"),
+                       mid_o_ptr="*fp32", mid_lse_ptr="*fp32", logits_ptr="*fp32", qk_scale="fp32"),
         ))
-        if scores:
+        score_ptrs = dict(mirror_starts_ptr="*i64", kv_pos_ptr="*i32", key_scores_ptr="*fp32", score_out_ptr="*fp32")
+        if scores and decode:
+            specs.append(dict(
+                id=f"logit_scores-{tag}", kernel="_token_attention_logit_scores_kernel", num_warps=4,
+                constexprs=dict(GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_N=cfg["BLOCK_N"],
+                                KEY_SCORES=True, SCORE_OUT=True),
+                types=dict(**idx_ptrs, **score_ptrs, logits_ptr="*fp32", lse_ptr="*fp32"),
+            ))
+        elif scores:
             specs.append(dict(
                 id=f"key_scores-{tag}", kernel="_token_attention_key_scores_kernel", num_warps=cfg["num_warps"],
-                constexprs=common,
-                types=dict(idx_ptrs, q_ptr=f"*{dt}", kv_ptr=f"*{dt}", lse_ptr="*fp32", key_scores_ptr="*fp32",
-                           qk_scale="fp32"),
+                constexprs=dict(common, KEY_SCORES=True, SCORE_OUT=True),
+                types=dict(**idx_ptrs, **score_ptrs, q_ptr=f"*{dt}", kv_ptr=f"*{dt}", lse_ptr="*fp32", qk_scale="fp32"),
             ))
         if split:
             specs.append(dict(
