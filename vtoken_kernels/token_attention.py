@@ -20,10 +20,26 @@ Kernels (launched by :func:`token_attention`):
     log-sum-exp, and ``_token_attention_reduce_kernel`` merges them.
   - Varlen prefill: tiles of ``BLOCK_Q`` new queries of one request. The tile to
     request map is built on the device from ``q_indptr`` (no host sync).
-* ``_token_attention_key_scores_kernel`` (``return_key_scores=True``): a second
-  pass that recomputes q·k and sums ``exp(s - lse)`` with the FINAL per-row
-  log-sum-exp, so the probability sums are exact up to float rounding (not an
-  online approximation). It reads K a second time, V never.
+Key scores (``return_key_scores=True`` and / or ``score_out``) use the FINAL
+per-row log-sum-exp, so the probability sums are exact up to float rounding
+(not an online approximation):
+
+* Decode: the main kernel also stores every key's fp32 score ``q.k * scale *
+  log2(e)`` (``[num_q_heads, nnz_max]``), and
+  ``_token_attention_logit_scores_kernel`` turns them into ``exp2(s - lse)``
+  summed over each GQA group. K is read once: per key and kv head that pass
+  moves ``4 * group`` bytes written + read instead of ``2 * head_dim`` bytes of K.
+* Varlen prefill: ``_token_attention_key_scores_kernel`` recomputes q.k, reading
+  K once per request and kv head (never V). The main pass reads K and V once per
+  query tile, so that is ``1 / (2 * tiles)`` more KV traffic; keeping the scores
+  instead would cost ``4 * n_new * group`` bytes per key (quadratic in the chunk).
+* Both score kernels loop over the kv heads inside one program per (request,
+  split): each ``score_out`` entry has one writer, added with a plain
+  load + store (no atomics, deterministic). NOTE: that needs the destinations
+  ``mirror_starts[r] + kv_pos[j]`` unique, part of the contract.
+
+:class:`TokenAttentionPlan` holds one step's decisions (splits, tiles, the
+prefill tile map) and workspaces; its ``run`` is the per-layer launch.
 
 When the split is used (decode only): ``num_splits`` is chosen from shapes
 alone (never a host sync), so a CUDA graph replays it unchanged. On CUDA the
