@@ -14,6 +14,18 @@ Reported per row, all timed in this run with CUDA events (do_bench):
 * ``frac_copy``: (all bytes read + written) / time over the measured D2D copy
   bandwidth (read + write counted).
 
+KV bytes with scores (every mode): ``kv_read_ratio`` = bytes the kernels read
+from the KV cache with scores on / with scores off, counted by construction of
+the kernels (:func:`kv_bytes_read`): the main kernel reads K and V of every
+listed, non-PAD key once per (query tile, kv head), for keys up to the tile's
+causal bound (decode: one tile per request, all its keys); the decode score
+pass reads stored fp32 logits, no K; the prefill score pass reads K of every
+listed key once per (request, kv head). ``aux_ratio`` adds the logits written
+and read back (decode) and the lse to the numerator. ``old_kv_read_ratio`` is
+the design this replaces (a second pass re-reading K, decode too). Goal:
+``kv_read_ratio <= 1.05``. On the GPU the same cases are timed with scores off,
+with ``return_key_scores`` and with ``score_out`` (``us_ratio_*``).
+
 ``--quick`` (and any run without CUDA): small sizes on the CPU. The Triton
 interpreter is meaningless for speed, so the CPU run times the torch reference
 (a per-request gather + attention) against SDPA on dense K/V gathered
@@ -44,7 +56,9 @@ import torch  # noqa: E402
 from vtoken.layout import KVLayout, kv_cache_shape  # noqa: E402
 from vtoken.reference import token_attention as ref_mod  # noqa: E402
 from vtoken.reference.token_attention import token_attention as ref_attention  # noqa: E402
-from vtoken_kernels.token_attention import _auto_splits  # noqa: E402
+from vtoken import ops  # noqa: E402
+from vtoken_kernels import contracts  # noqa: E402
+from vtoken_kernels.token_attention import _auto_splits, _config  # noqa: E402
 from vtoken_kernels.token_attention import token_attention as tri_attention  # noqa: E402
 
 F = torch.nn.functional
@@ -136,9 +150,9 @@ def gpu_rows(copy_gbs: float) -> list[dict]:
         del ke, ve
         err = (out.float() - ref[:, :, 0].float()).abs().max().item()
         kv_bytes = 2 * num_reqs * live * hkv * d * elem
-        if scores:
-            kv_bytes += num_reqs * live * hkv * d * elem  # the key-score pass re-reads K
-        total = kv_bytes + 2 * q.numel() * elem + idx.numel() * 4 + (idx.numel() * hkv * 4 if scores else 0)
+        # With scores, decode reads K once; the score pass reads the fp32 logits written by the main pass.
+        aux = (2 * idx.numel() * hq * 4 + idx.numel() * hkv * 4) if scores else 0
+        total = kv_bytes + 2 * q.numel() * elem + idx.numel() * 4 + aux
         rows.append({
             "case": label, "reqs": num_reqs, "live": live, "splits": splits if "decode" in label else 1,
             "us": round(t["median_us"], 1), "kv_GBps": round(gbs(kv_bytes, t["median_us"]), 1),
@@ -168,6 +182,95 @@ def gpu_rows(copy_gbs: float) -> list[dict]:
         "sdpa_us": round(base_us, 1), "sdpa": best, "frac_sdpa": round(base_us / t["median_us"], 3),
         "frac_copy": None, "TFLOPs": round(flops / (t["median_us"] * 1e-6) / 1e12, 1),
     })
+    return rows
+
+
+def kv_bytes_read(lens, n_new, num_q_heads, num_kv_heads, head_dim, elem, *, scores: bool) -> dict:
+    """Bytes read from the KV cache (and score workspaces) by construction of the kernels.
+
+    ``lens``: listed non-PAD keys per request; ``n_new``: queries per request, or
+    None for decode. Returns {"kv": KV-cache bytes, "aux": logits + lse bytes,
+    "old_kv": KV bytes of the replaced design (scores re-read K in decode too)}.
+    """
+    group = num_q_heads // num_kv_heads
+    decode = n_new is None
+    a = contracts.TokenAttentionArgs(num_reqs=len(lens), num_q_tokens=len(lens) if decode else sum(n_new),
+                                     num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                     group=group, nnz_max=sum(lens), scale=1.0, decode=decode)
+    row = head_dim * elem  # one key's K (or V) row of one kv head
+    main_keys = 0  # (key, kv head) pairs the main kernel loads, per kv head
+    for r, n_live in enumerate(lens):
+        if decode:
+            main_keys += n_live
+            continue
+        bq = _config(a)["BLOCK_Q"]
+        for q0 in range(0, n_new[r], bq):
+            q_last = min(q0 + bq, n_new[r]) - 1
+            main_keys += min(n_live, n_live - n_new[r] + q_last + 1)
+    main = 2 * row * main_keys * num_kv_heads
+    score_kv = 0 if (decode or not scores) else row * sum(lens) * num_kv_heads
+    old_score_kv = row * sum(lens) * num_kv_heads if scores else 0
+    aux = 0
+    if scores:
+        aux += 4 * a.num_q_tokens * num_q_heads * 2  # lse written, read back
+        if decode:
+            aux += 4 * sum(lens) * num_q_heads * 2  # logits written by the main pass, read by the score pass
+    return {"kv": main + score_kv, "aux": aux, "old_kv": main + old_score_kv, "main_kv": main}
+
+
+def kv_read_rows() -> list[dict]:
+    """kv_read_ratio per case (no timing: bytes counted from the kernels' construction)."""
+    rows = []
+    d, elem = 128, 2
+    for case, hq, hkv, lens, n_new in [
+        ("decode 64x4096 g4", 32, 8, [4096] * 64, None),
+        ("decode 8x32768 g4", 32, 8, [32768] * 8, None),
+        ("decode 64x4096 g8", 64, 8, [4096] * 64, None),
+        ("decode 64x4096 g1", 32, 32, [4096] * 64, None),
+        ("prefill 4x(3584+512) g4", 32, 8, [4096] * 4, [512] * 4),
+        ("prefill 16x(1008+16) g4", 32, 8, [1024] * 16, [16] * 16),
+    ]:
+        off = kv_bytes_read(lens, n_new, hq, hkv, d, elem, scores=False)
+        on = kv_bytes_read(lens, n_new, hq, hkv, d, elem, scores=True)
+        rows.append({
+            "case": case, "kv_read_ratio": round(on["kv"] / off["kv"], 4),
+            "aux_ratio": round((on["kv"] + on["aux"]) / off["kv"], 4),
+            "old_kv_read_ratio": round(on["old_kv"] / off["kv"], 4),
+        })
+    return rows
+
+
+def gpu_score_rows() -> list[dict]:
+    """Decode and prefill timed with scores off, return_key_scores, and score_out (one plan per case)."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    hq, hkv, d = 32, 8, 128
+    rows = []
+    for label, num_reqs, live, n_new in [("decode", 64, 4096, None), ("decode (split)", 8, 32768, None),
+                                         ("prefill chunk", 4, 4096, 512)]:
+        cache, lay, idx, ptr = make_case(num_reqs, live, hq, hkv, d, dt, dev)
+        n_q = num_reqs if n_new is None else num_reqs * n_new
+        q_indptr = None if n_new is None else (torch.arange(num_reqs + 1, device=dev) * n_new).to(torch.int32)
+        q = torch.randn(n_q, hq, d, device=dev, dtype=dt)
+        out = torch.empty_like(q)
+        starts = (torch.arange(num_reqs, device=dev) * live).to(torch.int64)
+        pos = torch.arange(live, device=dev, dtype=torch.int32).repeat(num_reqs)
+        score_out = torch.zeros(num_reqs * live, device=dev)
+        step = ops.plan_token_attention(lay, idx, ptr, q_indptr, num_q_heads=hq, dtype=dt, num_q_tokens=n_q,
+                                        scores=True, mirror_starts=starts, kv_pos=pos)
+        t_off = time_fn(lambda: step.run(q, cache, out=out))["median_us"]
+        t_ks = time_fn(lambda: step.run(q, cache, out=out, return_key_scores=True))["median_us"]
+        t_so = time_fn(lambda: step.run(q, cache, out=out, score_out=score_out))["median_us"]
+        b = kv_bytes_read([live] * num_reqs, None if n_new is None else [n_new] * num_reqs, hq, hkv, d, 2, scores=True)
+        b_off = kv_bytes_read([live] * num_reqs, None if n_new is None else [n_new] * num_reqs, hq, hkv, d, 2,
+                              scores=False)
+        rows.append({
+            "case": label, "reqs": num_reqs, "live": live, "us_no_scores": round(t_off, 1),
+            "us_key_scores": round(t_ks, 1), "us_score_out": round(t_so, 1),
+            "us_ratio_score_out": round(t_so / t_off, 3), "us_ratio_key_scores": round(t_ks / t_off, 3),
+            "kv_read_ratio": round(b["kv"] / b_off["kv"], 4),
+        })
+        del cache
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -204,7 +307,12 @@ def main() -> None:
         print_table(f"token_attention on {torch.cuda.get_device_name()} (bf16, 32q/8kv heads, D=128); "
                     f"D2D copy {copy:.0f} GB/s", rows)
         summary = [{k: r[k] for k in ("case", "reqs", "live", "us", "kv_GBps", "frac_sdpa", "frac_copy")} for r in rows]
-        write_json("token_attention", {"mode": "gpu", "copy_GBps": copy, "rows": rows, "summary": summary})
+        kv_rows = kv_read_rows()
+        print_table("KV bytes read with scores / without (by construction of the kernels)", kv_rows)
+        score_rows = gpu_score_rows()
+        print_table("scores on vs off, same plan (bf16, 32q/8kv heads, D=128)", score_rows)
+        write_json("token_attention", {"mode": "gpu", "copy_GBps": copy, "rows": rows, "summary": summary,
+                                       "kv_read": kv_rows, "scores": score_rows})
         return
     if not on_gpu() and not args.quick:
         print("no CUDA device: running the --quick CPU benchmark")
@@ -212,7 +320,9 @@ def main() -> None:
     print_table("token_attention on CPU: torch reference vs SDPA on dense K/V (fp32, 8q/2kv heads, D=64). "
                 "CPU wall clock; the Triton interpreter is not timed (meaningless for speed)", rows)
     summary = [{k: r[k] for k in ("case", "reqs", "live", "ref_us", "sdpa_us", "sdpa_over_ref")} for r in rows]
-    write_json("token_attention", {"mode": "cpu-quick", "rows": rows, "summary": summary})
+    kv_rows = kv_read_rows()
+    print_table("KV bytes read with scores / without (by construction of the kernels)", kv_rows)
+    write_json("token_attention", {"mode": "cpu-quick", "rows": rows, "summary": summary, "kv_read": kv_rows})
 
 
 if __name__ == "__main__":

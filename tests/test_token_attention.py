@@ -24,6 +24,7 @@ import zlib
 
 import pytest
 import torch
+import triton
 
 from aot_helpers import AOT_ARCHS, compile_kernel, compile_module_in_fresh_process, expected_compiles
 from vtoken import ops
@@ -348,6 +349,14 @@ def test_nonfinite_inputs_propagate_the_same_in_every_backend(mode, where, dtype
     oracle, oracle_ks = ref_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True,
                                       compute_dtype=torch.float64)
     results["oracle"] = (oracle, oracle_ks)
+    # score_out: an entry is NaN exactly when one of its key's kv-head scores is.
+    kv_pos = torch.arange(idx.numel(), dtype=torch.int32)
+    starts = torch.zeros(len(NF_LENS), dtype=torch.int64)
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("VTOKEN_BACKEND", backend)
+        buf = torch.zeros(idx.numel())
+        ops.token_attention(q, cache, lay, idx, ptr, q_indptr, score_out=buf, mirror_starts=starts, kv_pos=kv_pos)
+        assert torch.equal(torch.isnan(buf), want_ks.any(1)), backend
     vmax = float(torch.nan_to_num(slot_rows(cache, lay)[..., 1, :, :].float(), nan=0, posinf=0).abs().max())
     for name, (out, ks) in results.items():
         assert torch.equal(torch.isnan(out), want_out[:, :, None].expand_as(out)), name
@@ -359,6 +368,167 @@ def test_nonfinite_inputs_propagate_the_same_in_every_backend(mode, where, dtype
     if where == "q" and mode == "decode":
         for out, _ in results.values():
             assert torch.equal(out[2], torch.zeros_like(out[2])), "a row that attends nothing outputs zeros"
+
+
+# ---------------------------------------------------------------- per-token score buffer (score_out)
+# score_out[mirror_starts[r] + kv_pos[j]] += key mass (all query heads, all the step's queries).
+# Untouched entries are poisoned with -0.0 and compared bit for bit: adding anything, even +0.0,
+# turns -0.0 into +0.0 or another value, so an extra write cannot hide.
+
+SCORE_GROUPS = [1, 2, 4, 8]
+NEG_ZERO_BITS = -(2**31)  # int32 view of float32 -0.0
+
+
+def make_mirror(lens, idx, ptr, rng, *, extra_reqs=2):
+    """(mirror_starts int64, kv_pos int32, touched bool [mirror_size], mirror_size).
+
+    Request r owns a mirror segment with dead positions between its live ones and
+    a gap before the next; live entries get sorted random positions, PAD entries
+    inside a range point at a dead position (a trap), the PAD tail is -1.
+    """
+    starts, pos, cursor = [], [], 3
+    touched_pos = []
+    for r, n in enumerate(lens):
+        seg = 2 * n + 3
+        starts.append(cursor)
+        live = sorted(rng.sample(range(seg), n))
+        dead = [p for p in range(seg) if p not in set(live)]
+        a = int(ptr[r])
+        for k, p in enumerate(live):
+            if int(idx[a + k]) >= 0:
+                pos.append(p)
+                touched_pos.append(cursor + p)
+            else:
+                pos.append(dead[0])
+        cursor += seg + 5
+    pos += [-1] * (idx.numel() - len(pos))
+    size = cursor + 4
+    touched = torch.zeros(size, dtype=torch.bool)
+    touched[touched_pos] = True
+    mirror_starts = torch.tensor(starts + [10**6] * extra_reqs, dtype=torch.int64)
+    return mirror_starts, torch.tensor(pos, dtype=torch.int32), touched, size
+
+
+def poisoned_scores(touched, gen):
+    """-0.0 everywhere untouched, random values where a key lands."""
+    buf = torch.full((touched.numel(),), -0.0)
+    buf[touched] = torch.rand(int(touched.sum()), generator=gen) * 10
+    return buf
+
+
+def expected_scores(before, touched, oracle_ks, idx, ptr, mirror_starts, kv_pos):
+    """float64 ``before + per-entry mass`` (oracle key scores summed over kv heads)."""
+    want = before.double().clone()
+    for r in range(ptr.numel() - 1):
+        for j in range(int(ptr[r]), int(ptr[r + 1])):
+            if int(idx[j]) >= 0:
+                want[int(mirror_starts[r]) + int(kv_pos[j])] += float(oracle_ks[j].sum())
+    return want
+
+
+def assert_untouched_bits(buf, touched):
+    assert torch.equal(buf.view(torch.int32)[~touched], torch.full_like(buf.view(torch.int32)[~touched], NEG_ZERO_BITS))
+
+
+@pytest.mark.parametrize("group", SCORE_GROUPS)
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_score_out_matches_reference(dtype, mode, group):
+    """Triton and the torch reference add the oracle's per-key mass at exactly the right entries."""
+    seed = zlib.crc32(f"score_out {dtype} {mode} {group}".encode())
+    gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    num_kv_heads = 2 if group < 8 else 1
+    cache, lay = make_cache("vllm_flash", 12, 16, num_kv_heads, 64, dtype, gen)
+    lens = [1, 70, 0, 23]  # odd sizes; 70 > one BLOCK_N tile; an empty request
+    slots = rng.sample(range(lay.num_slots), sum(lens))
+    slots[30] = -1  # a PAD inside request 1's range
+    idx = torch.tensor(slots + [-1] * 5, dtype=torch.int32)
+    ptr = torch.tensor([0, 1, 71, 71, 94], dtype=torch.int32)
+    q_indptr, n_q = None, len(lens)
+    if mode == "prefill":
+        q_indptr, n_q = torch.tensor([0, 1, 10, 10, 23], dtype=torch.int32), 23
+    q = torch.randn(n_q, num_kv_heads * group, 64, generator=gen).to(dtype)
+    starts, pos, touched, size = make_mirror(lens, idx, ptr, rng)
+    before = poisoned_scores(touched, gen)
+    _, oracle_ks = ref_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True, compute_dtype=torch.float64)
+    want = expected_scores(before, touched, oracle_ks, idx, ptr, starts, pos)
+    mass = group * (9 if mode == "prefill" else 1)
+    for name, fn in (("triton", tri_attention), ("torch", ref_attention)):
+        buf = before.clone()
+        res = fn(q, cache, lay, idx, ptr, q_indptr, score_out=buf, mirror_starts=starts, kv_pos=pos)
+        assert isinstance(res, torch.Tensor), name
+        assert_untouched_bits(buf, touched)
+        torch.testing.assert_close(buf.double()[touched], want[touched], rtol=KEY_SCORE_TOL["rtol"],
+                                   atol=KEY_SCORE_TOL["atol"] * mass * num_kv_heads, msg=name)
+    # Dead tokens: poisoning every unlisted slot changes no bit of the accumulated scores.
+    clean = before.clone()
+    tri_attention(q, cache, lay, idx, ptr, q_indptr, score_out=clean, mirror_starts=starts, kv_pos=pos)
+    poison_unlisted(cache, lay, idx, float("nan"))
+    dirty = before.clone()
+    tri_attention(q, cache, lay, idx, ptr, q_indptr, score_out=dirty, mirror_starts=starts, kv_pos=pos)
+    assert torch.equal(clean.view(torch.int32), dirty.view(torch.int32))
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_score_out_over_layers_is_the_sum_of_single_calls(mode, monkeypatch):
+    """One plan, several layers: the buffer holds the sum of each layer's single call, bit for bit."""
+    gen, rng = torch.Generator().manual_seed(51), random.Random(51)
+    layers = [make_cache("nhd", 8, 16, 2, 64, torch.float16, gen) for _ in range(3)]
+    lay = layers[0][1]
+    lens = [40, 3, 66]
+    idx, ptr = make_lists(lens, lay.num_slots, pad_tail=4, rng=rng)
+    q_indptr, n_q = (None, 3) if mode == "decode" else (torch.tensor([0, 5, 8, 20], dtype=torch.int32), 20)
+    qs = [torch.randn(n_q, 8, 64, generator=gen).half() for _ in layers]
+    starts, pos, touched, size = make_mirror(lens, idx, ptr, rng)
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("VTOKEN_BACKEND", backend)
+        step = ops.plan_token_attention(lay, idx, ptr, q_indptr, num_q_heads=8, dtype=torch.float16,
+                                        num_q_tokens=n_q, scores=True, mirror_starts=starts, kv_pos=pos)
+        acc = torch.full((size,), -0.0)
+        acc[touched] = 0.0
+        singles, outs = [], []
+        for q, (cache, _) in zip(qs, layers):
+            outs.append(step.run(q, cache, score_out=acc))
+            one = torch.zeros(size)
+            o1, ks = ops.token_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True,
+                                         score_out=one, mirror_starts=starts, kv_pos=pos)
+            assert torch.equal(o1, outs[-1]), backend
+            singles.append(one)
+            torch.testing.assert_close(one[starts[1] + pos[40:43].long()], ks[40:43].sum(1), rtol=1e-6, atol=1e-6)
+        want = torch.zeros(size)
+        for one in singles:
+            want += one  # the same fp32 adds in the same order as the accumulating runs
+        assert_untouched_bits(acc, touched)
+        assert torch.equal(acc[touched], want[touched]), backend
+
+
+def test_plan_runs_with_lists_overwritten_in_place():
+    """A decode plan keeps its index tensors: overwriting them in place and running again equals a fresh call."""
+    gen, rng = torch.Generator().manual_seed(52), random.Random(52)
+    cache, lay = make_cache("hnd", 10, 16, 2, 64, torch.bfloat16, gen)
+    nnz_max = 90
+    idx = torch.full((nnz_max,), -1, dtype=torch.int32)
+    ptr = torch.zeros(4, dtype=torch.int32)
+    starts = torch.tensor([0, 100, 200], dtype=torch.int64)
+    pos = torch.full((nnz_max,), -1, dtype=torch.int32)
+    q = torch.randn(3, 8, 64, generator=gen).bfloat16()
+    step = ops.plan_token_attention(lay, idx, ptr, num_q_heads=8, dtype=torch.bfloat16, scores=True,
+                                    mirror_starts=starts, kv_pos=pos)
+    out = torch.empty_like(q)
+    for lens in ([10, 50, 1], [0, 80, 7]):
+        i, p = make_lists(lens, lay.num_slots, pad_tail=nnz_max - sum(lens), rng=rng)
+        idx.copy_(i)
+        ptr.copy_(p)
+        pos.copy_(torch.tensor([k for n in lens for k in range(n)] + [-1] * (nnz_max - sum(lens)), dtype=torch.int32))
+        buf, fresh_buf = torch.zeros(300), torch.zeros(300)
+        got = step.run(q, cache, out=out, score_out=buf)
+        fresh = ops.token_attention(q, cache, lay, idx.clone(), ptr.clone(), score_out=fresh_buf,
+                                    mirror_starts=starts, kv_pos=pos.clone())
+        assert got is out and torch.equal(out, fresh)
+        assert torch.equal(buf, fresh_buf)
+        for r, n in enumerate(lens):
+            torch.testing.assert_close(buf[100 * r: 100 * r + n].sum(), torch.tensor(8.0 if n else 0.0),
+                                       rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- arguments
@@ -449,7 +619,23 @@ BAD_ARGS = [
     ("scale-nan", dict(scale=float("nan")), InvalidArgumentError, "scale: expected a finite float > 0"),
     ("out-shape", dict(out=torch.zeros(2, 4, 32, dtype=torch.float16)), InvalidTypeError, "out: expected shape"),
     ("out-dtype", dict(out=torch.zeros(2, 4, 64, dtype=torch.float32)), InvalidTypeError, "out: expected dtype"),
+    ("score-no-pos", dict(score_out=torch.zeros(8)), InvalidArgumentError, "score_out: expected mirror_starts and kv_pos"),
+    ("score-dtype", dict(score_out=torch.zeros(8, dtype=torch.float16), mirror_starts="ok", kv_pos="ok"),
+     InvalidTypeError, "score_out: expected dtype"),
+    ("starts-only", dict(mirror_starts="ok"), InvalidArgumentError, "mirror_starts: expected mirror_starts and kv_pos both"),
+    ("starts-short", dict(score_out=torch.zeros(8), mirror_starts=torch.zeros(1, dtype=torch.int64), kv_pos="ok"),
+     InvalidTypeError, r"mirror_starts: expected >= num_reqs \(2\) entries"),
+    ("starts-int32", dict(score_out=torch.zeros(8), mirror_starts=torch.zeros(2, dtype=torch.int32), kv_pos="ok"),
+     InvalidTypeError, "mirror_starts: expected dtype"),
+    ("pos-len", dict(score_out=torch.zeros(8), mirror_starts="ok", kv_pos=torch.zeros(4, dtype=torch.int32)),
+     InvalidTypeError, r"kv_pos: expected shape \(5,\)"),
+    ("pos-out-of-range", dict(score_out=torch.zeros(3), mirror_starts="ok", kv_pos="ok"),
+     InvalidArgumentError, r"kv_pos: expected mirror_starts\[r\] \+ kv_pos\[j\] in \[0, len\(score_out\) = 3\)"),
+    ("pos-duplicate", dict(score_out=torch.zeros(8), mirror_starts="ok", kv_pos=torch.tensor([0, 1, 1, 0, 0], dtype=torch.int32)),
+     InvalidArgumentError, "kv_pos: expected unique destinations"),
 ]
+VALID_STARTS = torch.tensor([0, 3], dtype=torch.int64)  # request 0 at 0..2, request 1 at 3
+VALID_POS = torch.tensor([0, 1, 2, 0, -1], dtype=torch.int32)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -469,7 +655,11 @@ def test_bad_arguments_raise_typed_errors(case, backend, monkeypatch):
             v = _mla_layout()
         elif k == "layout" and v == "hnd":
             v = _hnd_layout()
-        if k in ("q_indptr", "scale", "out"):
+        elif k == "mirror_starts" and isinstance(v, str):
+            v = VALID_STARTS
+        elif k == "kv_pos" and isinstance(v, str):
+            v = VALID_POS
+        if k in ("q_indptr", "scale", "out", "score_out", "mirror_starts", "kv_pos"):
             kwargs[k] = v
         else:
             args[k] = v
@@ -479,6 +669,27 @@ def test_bad_arguments_raise_typed_errors(case, backend, monkeypatch):
     with pytest.raises(err, match=match):
         ops.token_attention(args["q"], args["kv_cache"], args["layout"], args["kv_indices"], args["kv_indptr"], **kwargs)
     assert torch.equal(guard, torch.full_like(guard, 7.0)), "a rejected call must not write out"
+
+
+def test_plan_run_checks_the_layer_against_the_plan():
+    """plan_token_attention validates the step once; run refuses a layer that does not match it."""
+    a = _valid_args()
+    step = ops.plan_token_attention(a["layout"], a["kv_indices"], a["kv_indptr"], num_q_heads=4, dtype=torch.float16)
+    out = step.run(a["q"], a["kv_cache"])
+    assert torch.equal(out, ops.token_attention(a["q"], a["kv_cache"], a["layout"], a["kv_indices"], a["kv_indptr"]))
+    with pytest.raises(InvalidTypeError, match=r"q: expected shape \(2, 4, 64\) as planned"):
+        step.run(torch.zeros(2, 2, 64, dtype=torch.float16), a["kv_cache"])
+    with pytest.raises(InvalidArgumentError, match="expected a plan built with scores=True"):
+        step.run(a["q"], a["kv_cache"], return_key_scores=True)
+    with pytest.raises(InvalidArgumentError, match="score_out: expected mirror_starts and kv_pos"):
+        step.run(a["q"], a["kv_cache"], score_out=torch.zeros(4))
+    with pytest.raises(InvalidTypeError, match="kv_cache: expected dtype"):
+        step.run(a["q"], a["kv_cache"].float())
+    with pytest.raises(InvalidArgumentError, match="num_q_tokens: expected an int with q_indptr"):
+        ops.plan_token_attention(a["layout"], a["kv_indices"], a["kv_indptr"], torch.tensor([0, 1, 2], dtype=torch.int32),
+                                 num_q_heads=4, dtype=torch.float16)
+    with pytest.raises(InvalidArgumentError, match="q: expected num_q_heads divisible"):
+        ops.plan_token_attention(a["layout"], a["kv_indices"], a["kv_indptr"], num_q_heads=3, dtype=torch.float16)
 
 
 def test_num_splits_argument_is_validated():
@@ -504,13 +715,15 @@ def _aot_specs():
     """The launcher's real configs (from _config): decode / prefill x dtypes x head dims.
 
     Every dtype, head dim, decode and prefill, split and not: the main kernel six
-    times, the key-score kernel once per dtype, the reduce kernel per split case.
+    times, the decode logit-score kernel and the prefill key-score kernel where
+    scores are on, the reduce kernel per split case.
     """
     specs = []
     for decode, dtype, head_dim, group, split, scores in [
         (True, torch.bfloat16, 128, 4, True, True),
         (True, torch.float16, 64, 1, False, False),
         (True, torch.float32, 256, 8, True, False),
+        (True, torch.float16, 96, 2, False, True),
         (False, torch.bfloat16, 128, 4, False, False),
         (False, torch.float16, 256, 2, False, True),
         (False, torch.float32, 64, 1, False, True),
@@ -530,16 +743,23 @@ def _aot_specs():
         tag = f"{'decode' if decode else 'prefill'}-{dt}-D{head_dim}-g{group}"
         specs.append(dict(
             id=f"main-{tag}{'-split' if split else ''}", kernel="_token_attention_kernel", num_warps=cfg["num_warps"],
-            constexprs=dict(common, SPLIT=split, WRITE_LSE=True),
+            constexprs=dict(common, SPLIT=split, WRITE_LSE=True, WRITE_LOGITS=scores and decode),
             types=dict(idx_ptrs, q_ptr=f"*{dt}", kv_ptr=f"*{dt}", out_ptr=f"*{dt}", lse_ptr="*fp32",
-                       mid_o_ptr="*fp32", mid_lse_ptr="*fp32", qk_scale="fp32"),
+                       mid_o_ptr="*fp32", mid_lse_ptr="*fp32", logits_ptr="*fp32", qk_scale="fp32"),
         ))
-        if scores:
+        score_ptrs = dict(mirror_starts_ptr="*i64", kv_pos_ptr="*i32", key_scores_ptr="*fp32", score_out_ptr="*fp32")
+        if scores and decode:
+            specs.append(dict(
+                id=f"logit_scores-{tag}", kernel="_token_attention_logit_scores_kernel", num_warps=4,
+                constexprs=dict(GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_N=cfg["BLOCK_N"],
+                                KEY_SCORES=True, SCORE_OUT=True),
+                types=dict(**idx_ptrs, **score_ptrs, logits_ptr="*fp32", lse_ptr="*fp32"),
+            ))
+        elif scores:
             specs.append(dict(
                 id=f"key_scores-{tag}", kernel="_token_attention_key_scores_kernel", num_warps=cfg["num_warps"],
-                constexprs=common,
-                types=dict(idx_ptrs, q_ptr=f"*{dt}", kv_ptr=f"*{dt}", lse_ptr="*fp32", key_scores_ptr="*fp32",
-                           qk_scale="fp32"),
+                constexprs=dict(common, KEY_SCORES=True, SCORE_OUT=True),
+                types=dict(**idx_ptrs, **score_ptrs, q_ptr=f"*{dt}", kv_ptr=f"*{dt}", lse_ptr="*fp32", qk_scale="fp32"),
             ))
         if split:
             specs.append(dict(

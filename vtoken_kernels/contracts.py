@@ -315,48 +315,65 @@ def _check_indptr(arg: str, indptr: torch.Tensor, limit: int, limit_desc: str) -
 
 def validate_token_attention_args(
     q, kv_cache, layout, kv_indices, kv_indptr, q_indptr=None, *, scale=None, out=None,
-    content_checks: bool | None = None,
+    mirror_starts=None, kv_pos=None, score_out=None, content_checks: bool | None = None,
 ) -> TokenAttentionArgs:
     """Validate ``token_attention``'s arguments; raise typed errors naming the argument.
+
+    The one-shot form of :func:`validate_token_attention_step_args` (once per
+    step: the slot lists) followed by :func:`validate_token_attention_layer_args`
+    (once per layer: ``q``, ``kv_cache``, ``out``, ``score_out``; O(1)).
+    """
+    check_tensor("q", q, dtype=ATTN_DTYPES, ndim=3)
+    if not isinstance(layout, KVLayout):
+        raise InvalidTypeError(f"layout: expected a vtoken.layout.KVLayout, got {type(layout).__name__}")
+    a = validate_token_attention_step_args(
+        layout, kv_indices, kv_indptr, q_indptr, num_q_tokens=q.shape[0], num_q_heads=q.shape[1],
+        head_dim=q.shape[2], device=q.device, scale=scale, mirror_starts=mirror_starts, kv_pos=kv_pos,
+        content_checks=content_checks,
+    )
+    validate_token_attention_layer_args(a, layout, q, kv_cache, out=out, score_out=score_out,
+                                        scored=mirror_starts is not None)
+    if score_out is not None and _content_checks(q.device, content_checks):
+        check_score_destinations(kv_indices, kv_indptr, layout.num_slots, mirror_starts, kv_pos, score_out.numel())
+    return a
+
+
+def _content_checks(device: torch.device, content_checks: bool | None) -> bool:
+    # NOTE: reading indices syncs the host; never do it while a CUDA graph is being captured.
+    if content_checks is None:
+        content_checks = device.type == "cpu" or debug_checks_enabled()
+    return content_checks and not capturing(device)
+
+
+def validate_token_attention_step_args(
+    layout, kv_indices, kv_indptr, q_indptr=None, *, num_q_tokens: int, num_q_heads: int, head_dim: int,
+    device, scale=None, mirror_starts=None, kv_pos=None, content_checks: bool | None = None,
+) -> TokenAttentionArgs:
+    """The per-step half of the contract: the slot lists and the score destinations.
 
     Shape, dtype and device checks never touch tensor contents. Content checks
     (indptr monotonicity and bounds, slot range, ``n_new <= n_live``) read the
     index tensors, so they run only when those tensors live on the CPU (no
     device sync), or when ``content_checks=True`` / ``VTOKEN_DEBUG_INVARIANTS=1``.
     """
-    check_tensor("q", q, dtype=ATTN_DTYPES, ndim=3)
-    if q.stride(2) != 1:
-        raise InvalidArgumentError(f"q: expected a contiguous last dim (stride 1), got strides {tuple(q.stride())}")
-    num_q_tokens, num_q_heads, head_dim = q.shape
+    device = torch.device(device)
     if not isinstance(layout, KVLayout):
         raise InvalidTypeError(f"layout: expected a vtoken.layout.KVLayout, got {type(layout).__name__}")
     if layout.num_kv != 2:
         raise InvalidArgumentError(
             f"layout: expected num_kv == 2 (K and V in one tensor), got {layout.num_kv} (layout {layout.name!r})"
         )
-    check_tensor("kv_cache", kv_cache, dtype=q.dtype, device=q.device)
     if head_dim != layout.head_dim:
         raise InvalidArgumentError(f"q: expected head_dim == layout.head_dim ({layout.head_dim}), got {head_dim}")
     if head_dim > MAX_HEAD_DIM:
         raise InvalidArgumentError(f"q: expected head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
-    if kv_cache.stride(-1) != 1:
-        raise InvalidArgumentError("kv_cache: expected a contiguous last dim (stride 1)")
-    # The farthest element the layout can address must lie inside kv_cache.
-    span = 1 + sum((s - 1) * st for s, st in zip(kv_cache.shape, kv_cache.stride()))
-    far = layout_extent(layout) - 1
-    if kv_cache.numel() == 0 or far >= span:
-        raise InvalidArgumentError(
-            f"kv_cache: expected a tensor spanning layout {layout.name!r} ({far + 1} elements), "
-            f"got shape {tuple(kv_cache.shape)} strides {tuple(kv_cache.stride())}"
-        )
-    check_layout_matches(layout, kv_cache)
     num_kv_heads = layout.num_heads
     if num_q_heads % num_kv_heads != 0:
         raise InvalidArgumentError(
             f"q: expected num_q_heads divisible by num_kv_heads ({num_kv_heads}) for GQA, got {num_q_heads}"
         )
-    check_tensor("kv_indices", kv_indices, dtype=torch.int32, ndim=1, device=q.device)
-    check_tensor("kv_indptr", kv_indptr, dtype=torch.int32, ndim=1, device=q.device)
+    check_tensor("kv_indices", kv_indices, dtype=torch.int32, ndim=1, device=device)
+    check_tensor("kv_indptr", kv_indptr, dtype=torch.int32, ndim=1, device=device)
     if kv_indptr.numel() < 1:
         raise InvalidTypeError("kv_indptr: expected num_reqs + 1 >= 1 entries, got 0")
     num_reqs = kv_indptr.numel() - 1
@@ -368,7 +385,7 @@ def validate_token_attention_args(
                 f"{num_reqs}), got {num_q_tokens}"
             )
     else:
-        check_tensor("q_indptr", q_indptr, dtype=torch.int32, ndim=1, device=q.device)
+        check_tensor("q_indptr", q_indptr, dtype=torch.int32, ndim=1, device=device)
         if q_indptr.numel() != kv_indptr.numel():
             raise InvalidTypeError(
                 f"q_indptr: expected len(kv_indptr) == {kv_indptr.numel()} entries, got {q_indptr.numel()}"
@@ -377,18 +394,24 @@ def validate_token_attention_args(
         isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0
     ):
         raise InvalidArgumentError(f"scale: expected a finite float > 0, got {scale!r}")
-    if out is not None:
-        check_tensor("out", out, dtype=q.dtype, shape=tuple(q.shape), device=q.device)
-        if out.stride(2) != 1:
-            raise InvalidArgumentError(
-                f"out: expected a contiguous last dim (stride 1), got strides {tuple(out.stride())}"
-            )
     nnz_max = kv_indices.numel()
+    if (mirror_starts is None) != (kv_pos is None):
+        raise InvalidArgumentError(
+            f"mirror_starts: expected mirror_starts and kv_pos both given or both None, got "
+            f"mirror_starts {'None' if mirror_starts is None else 'a tensor'} and "
+            f"kv_pos {'None' if kv_pos is None else 'a tensor'}"
+        )
+    if mirror_starts is not None:
+        check_1d("mirror_starts", mirror_starts, torch.int64, device)
+        if mirror_starts.numel() < num_reqs:
+            raise InvalidTypeError(
+                f"mirror_starts: expected >= num_reqs ({num_reqs}) entries, got {mirror_starts.numel()}"
+            )
+        check_1d("kv_pos", kv_pos, torch.int32, device)
+        if kv_pos.numel() != nnz_max:
+            raise InvalidTypeError(f"kv_pos: expected shape ({nnz_max},) like kv_indices, got {tuple(kv_pos.shape)}")
 
-    if content_checks is None:
-        content_checks = q.device.type == "cpu" or debug_checks_enabled()
-    # NOTE: reading indices syncs the host; never do it while a CUDA graph is being captured.
-    if content_checks and not capturing(q.device):
+    if _content_checks(device, content_checks):
         _check_indptr("kv_indptr", kv_indptr, nnz_max, "len(kv_indices)")
         if not decode:
             _check_indptr("q_indptr", q_indptr, num_q_tokens, "q.shape[0]")
@@ -408,7 +431,95 @@ def validate_token_attention_args(
                 raise InvalidArgumentError(
                     f"kv_indices: expected slots in [0, {layout.num_slots}) or PAD (-1), got {int(oob[0])}"
                 )
-    return token_attention_sizes(q, layout, kv_indices, kv_indptr, q_indptr, scale)
+    return TokenAttentionArgs(
+        num_reqs=num_reqs,
+        num_q_tokens=num_q_tokens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        group=num_q_heads // num_kv_heads,
+        nnz_max=nnz_max,
+        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        decode=decode,
+    )
+
+
+def validate_token_attention_layer_args(
+    a: TokenAttentionArgs, layout: KVLayout, q, kv_cache, *, out=None, score_out=None, scored: bool = False,
+) -> None:
+    """The per-layer half of the contract (O(1): metadata only, never tensor contents).
+
+    ``a`` comes from :func:`validate_token_attention_step_args`; ``scored``
+    says whether the step was given ``mirror_starts`` / ``kv_pos``, which
+    ``score_out`` needs.
+    """
+    check_tensor("q", q, dtype=ATTN_DTYPES, ndim=3)
+    if q.stride(2) != 1:
+        raise InvalidArgumentError(f"q: expected a contiguous last dim (stride 1), got strides {tuple(q.stride())}")
+    if q.shape[2] != a.head_dim:
+        raise InvalidArgumentError(f"q: expected head_dim == layout.head_dim ({a.head_dim}), got {q.shape[2]}")
+    if (q.shape[0], q.shape[1]) != (a.num_q_tokens, a.num_q_heads):
+        raise InvalidTypeError(
+            f"q: expected shape ({a.num_q_tokens}, {a.num_q_heads}, {a.head_dim}) as planned, got {tuple(q.shape)}"
+        )
+    check_tensor("kv_cache", kv_cache, dtype=q.dtype, device=q.device)
+    if kv_cache.stride(-1) != 1:
+        raise InvalidArgumentError("kv_cache: expected a contiguous last dim (stride 1)")
+    # The farthest element the layout can address must lie inside kv_cache.
+    span = 1 + sum((s - 1) * st for s, st in zip(kv_cache.shape, kv_cache.stride()))
+    far = layout_extent(layout) - 1
+    if kv_cache.numel() == 0 or far >= span:
+        raise InvalidArgumentError(
+            f"kv_cache: expected a tensor spanning layout {layout.name!r} ({far + 1} elements), "
+            f"got shape {tuple(kv_cache.shape)} strides {tuple(kv_cache.stride())}"
+        )
+    check_layout_matches(layout, kv_cache)
+    if out is not None:
+        check_tensor("out", out, dtype=q.dtype, shape=tuple(q.shape), device=q.device)
+        if out.stride(2) != 1:
+            raise InvalidArgumentError(
+                f"out: expected a contiguous last dim (stride 1), got strides {tuple(out.stride())}"
+            )
+    if score_out is not None:
+        if not scored:
+            raise InvalidArgumentError(
+                "score_out: expected mirror_starts and kv_pos (where each key's score goes), got neither"
+            )
+        check_1d("score_out", score_out, torch.float32, q.device)
+
+
+def check_score_destinations(kv_indices, kv_indptr, num_slots: int, mirror_starts, kv_pos, score_size: int) -> None:
+    """Content check: every scored key's ``mirror_starts[r] + kv_pos[j]`` is in ``[0, score_size)`` and unique.
+
+    Scored keys are the listed entries with a slot in ``[0, num_slots)``. A host
+    sync on a GPU: callers run it under the same rule as the other content checks.
+    """
+    dst = score_destinations(kv_indices, kv_indptr, num_slots, mirror_starts, kv_pos)
+    if dst.numel() == 0:
+        return
+    bad = dst[(dst < 0) | (dst >= score_size)]
+    if bad.numel():
+        raise InvalidArgumentError(
+            f"kv_pos: expected mirror_starts[r] + kv_pos[j] in [0, len(score_out) = {score_size}), got {int(bad[0])}"
+        )
+    uniq, counts = torch.unique(dst, return_counts=True)
+    if bool((counts > 1).any()):
+        raise InvalidArgumentError(
+            f"kv_pos: expected unique destinations mirror_starts[r] + kv_pos[j], got {int(uniq[counts > 1][0])} "
+            f"{int(counts[counts > 1][0])} times"
+        )
+
+
+def score_destinations(kv_indices, kv_indptr, num_slots: int, mirror_starts, kv_pos) -> torch.Tensor:
+    """int64 ``mirror_starts[r] + kv_pos[j]`` of every scored key (listed, slot in range), in list order."""
+    ptr = kv_indptr.to(torch.int64)
+    num_reqs = ptr.numel() - 1
+    j = torch.arange(kv_indices.numel(), device=kv_indices.device)
+    req = torch.searchsorted(ptr[1:], j, right=True)  # request of entry j; num_reqs past the end
+    slot = kv_indices.to(torch.int64)
+    scored = (req < num_reqs) & (j >= ptr[0]) & (slot >= 0) & (slot < num_slots)
+    starts = mirror_starts[:num_reqs][req.clamp(max=max(num_reqs - 1, 0))] if num_reqs else torch.zeros_like(j)
+    return (starts + kv_pos.to(torch.int64))[scored]
 
 
 # --- block_live_counts ----------------------------------------------------------

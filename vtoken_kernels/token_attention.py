@@ -20,10 +20,26 @@ Kernels (launched by :func:`token_attention`):
     log-sum-exp, and ``_token_attention_reduce_kernel`` merges them.
   - Varlen prefill: tiles of ``BLOCK_Q`` new queries of one request. The tile to
     request map is built on the device from ``q_indptr`` (no host sync).
-* ``_token_attention_key_scores_kernel`` (``return_key_scores=True``): a second
-  pass that recomputes q·k and sums ``exp(s - lse)`` with the FINAL per-row
-  log-sum-exp, so the probability sums are exact up to float rounding (not an
-  online approximation). It reads K a second time, V never.
+Key scores (``return_key_scores=True`` and / or ``score_out``) use the FINAL
+per-row log-sum-exp, so the probability sums are exact up to float rounding
+(not an online approximation):
+
+* Decode: the main kernel also stores every key's fp32 score ``q.k * scale *
+  log2(e)`` (``[num_q_heads, nnz_max]``), and
+  ``_token_attention_logit_scores_kernel`` turns them into ``exp2(s - lse)``
+  summed over each GQA group. K is read once: per key and kv head that pass
+  moves ``4 * group`` bytes written + read instead of ``2 * head_dim`` bytes of K.
+* Varlen prefill: ``_token_attention_key_scores_kernel`` recomputes q.k, reading
+  K once per request and kv head (never V). The main pass reads K and V once per
+  query tile, so that is ``1 / (2 * tiles)`` more KV traffic; keeping the scores
+  instead would cost ``4 * n_new * group`` bytes per key (quadratic in the chunk).
+* Both score kernels loop over the kv heads inside one program per (request,
+  split): each ``score_out`` entry has one writer, added with a plain
+  load + store (no atomics, deterministic). NOTE: that needs the destinations
+  ``mirror_starts[r] + kv_pos[j]`` unique, part of the contract.
+
+:class:`TokenAttentionPlan` holds one step's decisions (splits, tiles, the
+prefill tile map) and workspaces; its ``run`` is the per-layer launch.
 
 When the split is used (decode only): ``num_splits`` is chosen from shapes
 alone (never a host sync), so a CUDA graph replays it unchanged. On CUDA the
@@ -65,8 +81,11 @@ def token_attention(
     return_key_scores: bool = False,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    score_out: torch.Tensor | None = None,
+    mirror_starts: torch.Tensor | None = None,
+    kv_pos: torch.Tensor | None = None,
 ):
-    """Attention over token-indexed K/V (Triton).
+    """Attention over token-indexed K/V (Triton): a one-shot :class:`TokenAttentionPlan` and its ``run``.
 
     Args:
         q: ``[num_q_tokens, num_q_heads, head_dim]`` fp16 / bf16 / fp32
@@ -83,6 +102,11 @@ def token_attention(
         out: optional output, shape and dtype of ``q``.
         num_splits: decode only: force the number of kv splits (flash-decoding);
             ``None`` picks it from the shapes.
+        score_out: optional float32 ``[mirror_size]``: each scored key's mass,
+            summed over all query heads and the step's queries, is ADDED to
+            ``score_out[mirror_starts[r] + kv_pos[j]]`` (in place; other entries
+            untouched). Needs ``mirror_starts`` (int64 ``[>= num_reqs]``) and
+            ``kv_pos`` (int32 ``[nnz_max]``).
 
     Returns:
         ``out``, or ``(out, key_scores)``.
@@ -102,85 +126,159 @@ def token_attention(
         (torch.Size([2, 8, 64]), torch.Size([7, 2]))
     """
     a = token_attention_sizes(q, layout, kv_indices, kv_indptr, q_indptr, scale)
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
-        raise InvalidArgumentError(f"num_splits: expected an int >= 1 or None, got {num_splits!r}")
-    dev = q.device
-    if out is None:
-        out = torch.empty_like(q)
-    key_scores = (
-        torch.zeros(a.nnz_max, a.num_kv_heads, dtype=torch.float32, device=dev) if return_key_scores else None
+    plan = TokenAttentionPlan(
+        a, layout, kv_indices, kv_indptr, q_indptr, dtype=q.dtype, device=q.device, num_splits=num_splits,
+        scores=return_key_scores or score_out is not None, mirror_starts=mirror_starts, kv_pos=kv_pos,
     )
-    if a.num_q_tokens == 0 or a.num_reqs == 0:
-        return (out, key_scores) if return_key_scores else out
+    return plan.run(q, kv_cache, out=out, return_key_scores=return_key_scores, score_out=score_out)
 
-    cfg = _config(a)
-    splits = 1
-    if a.decode:
-        splits = num_splits if num_splits is not None else _auto_splits(dev, a.num_reqs, a.num_kv_heads, a.nnz_max)
-    split = splits > 1
-    lse = (
-        torch.empty(a.num_q_tokens, a.num_q_heads, dtype=torch.float32, device=dev)
-        if return_key_scores
-        else out  # unused dummy pointer (WRITE_LSE=False)
-    )
-    if split:
-        mid_o = torch.empty(a.num_q_tokens, a.num_q_heads, splits, cfg["BLOCK_D"], dtype=torch.float32, device=dev)
-        mid_lse = torch.empty(a.num_q_tokens, a.num_q_heads, splits, dtype=torch.float32, device=dev)
-    else:
-        mid_o = mid_lse = out  # unused dummy pointers (SPLIT=False)
 
-    if a.decode:
-        grid_t = a.num_reqs
-        tile_req = tile_q0 = q_ptr_arg = kv_indptr  # unused dummy pointers (IS_DECODE=True)
-    else:
-        tile_req, tile_q0 = _prefill_tiles(q_indptr, a.num_q_tokens, cfg["BLOCK_Q"])
-        grid_t = tile_req.numel()
-        q_ptr_arg = q_indptr
-    qk_scale = a.scale * LOG2E
-    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    # NOTE: the Triton interpreter multiplies bf16 bit patterns in tl.dot
-    # (triton-lang/triton#11584, "not supported yet"). Under the interpreter,
-    # bf16 operands are widened to fp32 first, with P still rounded to bf16, so
-    # the CPU numerics match the GPU path (bf16 products are exact in fp32).
-    upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-    if upcast:
-        dot_precision = "ieee"
-    common = dict(
-        HEAD_DIM=a.head_dim, GROUP=a.group, GROUP_P=cfg["GROUP_P"], BLOCK_Q=cfg["BLOCK_Q"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], BLOCK_SIZE=layout.block_size,
-        IS_DECODE=a.decode, DOT_PRECISION=dot_precision, DOT_UPCAST=upcast,
-    )
-    _token_attention_kernel[(grid_t, a.num_kv_heads, splits)](
-        q, kv_cache, kv_indices, kv_indptr, q_ptr_arg, tile_req, tile_q0,
-        out, lse, mid_o, mid_lse,
-        a.num_reqs, a.num_q_tokens, a.num_q_heads, a.nnz_max, layout.num_slots, qk_scale, splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        layout.stride_block, layout.stride_offset, layout.stride_kv, layout.stride_head,
-        SPLIT=split, WRITE_LSE=return_key_scores,
-        num_warps=cfg["num_warps"],
-        **common,
-    )
-    if split:
-        _token_attention_reduce_kernel[(a.num_q_tokens, a.num_q_heads)](
-            mid_o, mid_lse, out, lse,
-            a.num_q_heads, splits, out.stride(0), out.stride(1),
-            HEAD_DIM=a.head_dim, BLOCK_D=cfg["BLOCK_D"], SPLITS_P=triton.next_power_of_2(splits),
-            WRITE_LSE=return_key_scores,
-            num_warps=4,
+class TokenAttentionPlan:
+    """One step's launch plan: built once from the step's slot lists, run once per layer.
+
+    Takes sizes that passed the contract
+    (:func:`vtoken_kernels.contracts.validate_token_attention_step_args`; the
+    public entry point is :func:`vtoken.ops.plan_token_attention`). Construction
+    picks the splits and tile sizes, builds the prefill tile map on the device
+    and allocates every workspace; :meth:`run` launches the kernels and, given
+    ``out``, allocates nothing (``return_key_scores`` allocates its result), so
+    it can be captured in a CUDA graph. The plan keeps references to the index
+    tensors: overwrite them in place (same shapes) and run again, as a graph
+    replay does; the workspaces are reused by every run, so runs of one plan
+    must be stream-ordered.
+
+    Args:
+        a: :class:`vtoken_kernels.contracts.TokenAttentionArgs` of the step.
+        layout: the KV layout every layer's cache shares.
+        kv_indices, kv_indptr, q_indptr: the step's slot lists (see :func:`token_attention`).
+        dtype, device: of ``q`` and the caches.
+        num_splits: decode kv splits, ``None`` to pick from the shapes.
+        scores: allocate the score workspaces (needed by ``return_key_scores`` or ``score_out``).
+        mirror_starts, kv_pos: where ``score_out`` entries go (see :func:`token_attention`).
+
+    Example::
+
+        >>> plan = TokenAttentionPlan(a, lay, idx, ptr, dtype=q.dtype, device=q.device,  # doctest: +SKIP
+        ...                           scores=True, mirror_starts=starts, kv_pos=pos)
+        >>> for layer in range(num_layers):  # doctest: +SKIP
+        ...     plan.run(q[layer], caches[layer], out=outs[layer], score_out=token_scores)
+    """
+
+    def __init__(self, a, layout, kv_indices, kv_indptr, q_indptr=None, *, dtype, device, num_splits=None,
+                 scores=False, mirror_starts=None, kv_pos=None):
+        if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+            raise InvalidArgumentError(f"num_splits: expected an int >= 1 or None, got {num_splits!r}")
+        device = torch.device(device)
+        self.a, self.layout = a, layout
+        self.kv_indices, self.kv_indptr, self.q_indptr = kv_indices, kv_indptr, q_indptr
+        self.mirror_starts, self.kv_pos = mirror_starts, kv_pos
+        self.dtype, self.device, self.scores = dtype, device, bool(scores)
+        self.empty = a.num_q_tokens == 0 or a.num_reqs == 0
+        cfg = self.cfg = _config(a)
+        self.splits = 1
+        if a.decode:
+            self.splits = num_splits if num_splits is not None else _auto_splits(device, a.num_reqs, a.num_kv_heads, a.nnz_max)
+        f32 = dict(dtype=torch.float32, device=device)
+        # Dummy pointers for arguments a constexpr switches off; never dereferenced.
+        dummy = self._dummy = torch.empty(1, **f32)
+        self.lse = torch.empty(a.num_q_tokens, a.num_q_heads, **f32) if self.scores else dummy
+        if self.splits > 1:
+            self.mid_o = torch.empty(a.num_q_tokens, a.num_q_heads, self.splits, cfg["BLOCK_D"], **f32)
+            self.mid_lse = torch.empty(a.num_q_tokens, a.num_q_heads, self.splits, **f32)
+        else:
+            self.mid_o = self.mid_lse = dummy
+        # Decode with scores: the main pass writes every key's fp32 q.k (one K read); see the module docstring.
+        self.logits = torch.empty(a.num_q_heads, a.nnz_max, **f32) if (self.scores and a.decode) else dummy
+        if a.decode or self.empty:
+            self.grid_t = a.num_reqs
+            self.tile_req = self.tile_q0 = self.q_ptr_arg = kv_indptr  # unused (IS_DECODE=True)
+        else:
+            self.tile_req, self.tile_q0 = _prefill_tiles(q_indptr, a.num_q_tokens, cfg["BLOCK_Q"])
+            self.grid_t = self.tile_req.numel()
+            self.q_ptr_arg = q_indptr
+        # Score passes loop over the kv heads inside a program (one writer per score_out entry,
+        # no atomics), so their grid fills the GPU with requests x splits only.
+        self.score_splits = _auto_splits(device, a.num_reqs, 1, a.nnz_max)
+        self.qk_scale = a.scale * LOG2E
+        self.dot_precision = "ieee" if dtype == torch.float32 else "tf32"
+        # NOTE: the Triton interpreter multiplies bf16 bit patterns in tl.dot
+        # (triton-lang/triton#11584, "not supported yet"). Under the interpreter,
+        # bf16 operands are widened to fp32 first, with P still rounded to bf16, so
+        # the CPU numerics match the GPU path (bf16 products are exact in fp32).
+        self.upcast = dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+        if self.upcast:
+            self.dot_precision = "ieee"
+        self.common = dict(
+            HEAD_DIM=a.head_dim, GROUP=a.group, GROUP_P=cfg["GROUP_P"], BLOCK_Q=cfg["BLOCK_Q"],
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], BLOCK_SIZE=layout.block_size,
+            IS_DECODE=a.decode, DOT_PRECISION=self.dot_precision, DOT_UPCAST=self.upcast,
         )
-    if not return_key_scores:
-        return out
-    ksplits = _auto_splits(dev, a.num_reqs, a.num_kv_heads, a.nnz_max)
-    _token_attention_key_scores_kernel[(a.num_reqs, a.num_kv_heads, ksplits)](
-        q, kv_cache, kv_indices, kv_indptr, q_ptr_arg, lse,
-        key_scores,
-        a.num_q_tokens, a.num_q_heads, a.num_kv_heads, a.nnz_max, layout.num_slots, qk_scale, ksplits,
-        q.stride(0), q.stride(1),
-        layout.stride_block, layout.stride_offset, layout.stride_head,
-        num_warps=cfg["num_warps"],
-        **common,
-    )
-    return out, key_scores
+
+    def run(self, q, kv_cache, *, out=None, return_key_scores=False, score_out=None):
+        """Attention of one layer: ``out``, or ``(out, key_scores)``; adds into ``score_out`` when given.
+
+        ``q`` and ``kv_cache`` must match the plan (shape, dtype, layout); the
+        op boundary checks that in O(1) per layer. See :func:`token_attention`.
+        """
+        a, layout, cfg = self.a, self.layout, self.cfg
+        scored = return_key_scores or score_out is not None
+        if scored and not self.scores:
+            raise InvalidArgumentError("return_key_scores: expected a plan built with scores=True, got scores=False")
+        if score_out is not None and self.mirror_starts is None:
+            raise InvalidArgumentError("score_out: expected a plan built with mirror_starts and kv_pos, got neither")
+        if out is None:
+            out = torch.empty_like(q)
+        key_scores = (
+            torch.zeros(a.nnz_max, a.num_kv_heads, dtype=torch.float32, device=q.device) if return_key_scores else None
+        )
+        if self.empty:
+            return (out, key_scores) if return_key_scores else out
+        split = self.splits > 1
+        write_logits = scored and a.decode
+        _token_attention_kernel[(self.grid_t, a.num_kv_heads, self.splits)](
+            q, kv_cache, self.kv_indices, self.kv_indptr, self.q_ptr_arg, self.tile_req, self.tile_q0,
+            out, self.lse, self.mid_o, self.mid_lse, self.logits,
+            a.num_reqs, a.num_q_tokens, a.num_q_heads, a.nnz_max, layout.num_slots, self.qk_scale, self.splits,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            layout.stride_block, layout.stride_offset, layout.stride_kv, layout.stride_head,
+            SPLIT=split, WRITE_LSE=scored, WRITE_LOGITS=write_logits,
+            num_warps=cfg["num_warps"],
+            **self.common,
+        )
+        if split:
+            _token_attention_reduce_kernel[(a.num_q_tokens, a.num_q_heads)](
+                self.mid_o, self.mid_lse, out, self.lse,
+                a.num_q_heads, self.splits, out.stride(0), out.stride(1),
+                HEAD_DIM=a.head_dim, BLOCK_D=cfg["BLOCK_D"], SPLITS_P=triton.next_power_of_2(self.splits),
+                WRITE_LSE=scored,
+                num_warps=4,
+            )
+        if not scored:
+            return out
+        ks_arg = key_scores if return_key_scores else self._dummy
+        so_arg = score_out if score_out is not None else self._dummy
+        starts_arg = self.mirror_starts if score_out is not None else self.kv_indptr
+        pos_arg = self.kv_pos if score_out is not None else self.kv_indptr
+        flags = dict(KEY_SCORES=return_key_scores, SCORE_OUT=score_out is not None)
+        if a.decode:
+            _token_attention_logit_scores_kernel[(a.num_reqs, self.score_splits)](
+                self.logits, self.lse, self.kv_indices, self.kv_indptr, starts_arg, pos_arg,
+                ks_arg, so_arg,
+                a.num_q_heads, a.num_kv_heads, a.nnz_max, layout.num_slots, self.score_splits,
+                GROUP=a.group, GROUP_P=triton.next_power_of_2(a.group), BLOCK_N=cfg["BLOCK_N"],
+                num_warps=4, **flags,
+            )
+        else:
+            _token_attention_key_scores_kernel[(a.num_reqs, self.score_splits)](
+                q, kv_cache, self.kv_indices, self.kv_indptr, self.q_ptr_arg, self.lse, starts_arg, pos_arg,
+                ks_arg, so_arg,
+                a.num_q_tokens, a.num_q_heads, a.num_kv_heads, a.nnz_max, layout.num_slots, self.qk_scale,
+                self.score_splits, q.stride(0), q.stride(1),
+                layout.stride_block, layout.stride_offset, layout.stride_head,
+                num_warps=cfg["num_warps"],
+                **self.common, **flags,
+            )
+        return (out, key_scores) if return_key_scores else out
 
 
 def _config(a) -> dict:
@@ -281,6 +379,79 @@ def _token_attention_reduce_kernel(
 
 
 @triton.jit
+def _add_scores(
+    score_out_ptr, mirror_starts_ptr, kv_pos_ptr, req, kv_start, j, ok, total,
+):
+    """score_out[mirror_starts[req] + kv_pos[kv_start + j]] += total where ok (one writer per entry)."""
+    start = tl.load(mirror_starts_ptr + req)
+    pos = tl.load(kv_pos_ptr + kv_start + j, mask=ok, other=0)
+    dst = start + pos.to(tl.int64)
+    old = tl.load(score_out_ptr + dst, mask=ok, other=0.0)
+    tl.store(score_out_ptr + dst, old + total, mask=ok)
+
+
+@triton.jit
+def _token_attention_logit_scores_kernel(
+    # Inputs
+    logits_ptr,  # [num_q_heads, nnz_max] fp32 base-2 scores written by the main kernel (decode)
+    lse_ptr,  # [num_reqs, num_q_heads] fp32 final base-2 log-sum-exp (decode: query r is request r)
+    kv_indices_ptr,  # [nnz_max] int32 slots, PAD -1
+    kv_indptr_ptr,  # [num_reqs + 1] int32
+    mirror_starts_ptr,  # [>= num_reqs] int64 (SCORE_OUT)
+    kv_pos_ptr,  # [nnz_max] int32 (SCORE_OUT)
+    # Outputs
+    key_scores_ptr,  # [nnz_max, num_kv_heads] fp32, pre-zeroed (KEY_SCORES)
+    score_out_ptr,  # [mirror_size] fp32, added into (SCORE_OUT)
+    # Constants
+    num_q_heads,
+    num_kv_heads,
+    nnz_max,
+    num_slots,
+    num_splits,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KEY_SCORES: tl.constexpr,
+    SCORE_OUT: tl.constexpr,
+):
+    """Decode key scores from stored logits: p = exp2(s - lse), summed over each group's heads.
+
+    Reads 4 * num_q_heads bytes per key instead of K. Grid: (num_reqs, num_splits).
+    """
+    req = tl.program_id(0)
+    split = tl.program_id(1)
+    kv_start = tl.load(kv_indptr_ptr + req)
+    kv_end = tl.minimum(tl.load(kv_indptr_ptr + req + 1), nnz_max)
+    n_live = tl.maximum(kv_end - kv_start, 0)
+    chunk = tl.cdiv(tl.cdiv(n_live, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n_live)
+    r_h = tl.arange(0, GROUP_P)
+    h_ok = r_h < GROUP
+    for n0 in range(lo, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        in_range = j < hi
+        slot = tl.load(kv_indices_ptr + kv_start + j, mask=in_range, other=-1)
+        ok = in_range & (slot >= 0) & (slot < num_slots)
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for g in range(0, num_kv_heads):
+            head = g * GROUP + r_h
+            lse = tl.load(lse_ptr + req.to(tl.int64) * num_q_heads + head, mask=h_ok, other=float("-inf"))
+            lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+            mask = h_ok[:, None] & ok[None, :]
+            s = tl.load(logits_ptr + head.to(tl.int64)[:, None] * nnz_max + (kv_start + j)[None, :], mask=mask,
+                        other=float("-inf"))
+            # A NaN lse (a NaN score in the row) passes, so its keys score NaN, as in the reference.
+            allowed = mask & (lse[:, None] != float("-inf"))
+            ks = tl.sum(tl.where(allowed, tl.exp2(s - lse_safe[:, None]), 0.0), 0)
+            if KEY_SCORES:
+                tl.store(key_scores_ptr + (kv_start + j).to(tl.int64) * num_kv_heads + g, ks, mask=in_range)
+            total += ks
+        if SCORE_OUT:
+            _add_scores(score_out_ptr, mirror_starts_ptr, kv_pos_ptr, req, kv_start, j, ok, total)
+
+
+@triton.jit
 def _token_attention_key_scores_kernel(
     # Inputs
     q_ptr,  # [num_q_tokens, num_q_heads, HEAD_DIM] (strides stride_qt, stride_qh, 1)
@@ -289,8 +460,11 @@ def _token_attention_key_scores_kernel(
     kv_indptr_ptr,  # [num_reqs + 1] int32
     q_indptr_ptr,  # [num_reqs + 1] int32 (prefill; unused when IS_DECODE)
     lse_ptr,  # [num_q_tokens, num_q_heads] fp32 final base-2 log-sum-exp per query row
+    mirror_starts_ptr,  # [>= num_reqs] int64 (SCORE_OUT)
+    kv_pos_ptr,  # [nnz_max] int32 (SCORE_OUT)
     # Outputs
-    key_scores_ptr,  # [nnz_max, num_kv_heads] fp32, pre-zeroed; rows of request r written here
+    key_scores_ptr,  # [nnz_max, num_kv_heads] fp32, pre-zeroed (KEY_SCORES)
+    score_out_ptr,  # [mirror_size] fp32, added into (SCORE_OUT)
     # Constants
     num_q_tokens,
     num_q_heads,
@@ -314,14 +488,16 @@ def _token_attention_key_scores_kernel(
     IS_DECODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    KEY_SCORES: tl.constexpr,
+    SCORE_OUT: tl.constexpr,
 ):
-    """key_scores[j, g] = sum over the request's query rows of exp2(s - lse).
+    """Prefill key scores: recompute q.k and sum exp2(s - lse) over the request's query rows.
 
-    Grid: (num_reqs, num_kv_heads, num_splits).
+    Reads K once per request (the main pass reads it once per query tile); see
+    the module docstring. Grid: (num_reqs, num_splits); kv heads loop inside.
     """
     req = tl.program_id(0)
-    g = tl.program_id(1)
-    split = tl.program_id(2)
+    split = tl.program_id(1)
     kv_start = tl.load(kv_indptr_ptr + req)
     kv_end = tl.minimum(tl.load(kv_indptr_ptr + req + 1), nnz_max)
     n_live = tl.maximum(kv_end - kv_start, 0)
@@ -339,7 +515,6 @@ def _token_attention_key_scores_kernel(
     rows = tl.arange(0, BLOCK_Q * GROUP_P)
     r_q = rows // GROUP_P
     r_h = rows % GROUP_P
-    head = g * GROUP + r_h
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     for n0 in range(lo, hi, BLOCK_N):
@@ -348,31 +523,38 @@ def _token_attention_key_scores_kernel(
         slot = tl.load(kv_indices_ptr + kv_start + j, mask=in_range, other=-1)
         ok = in_range & (slot >= 0) & (slot < num_slots)
         slot = tl.where(ok, slot, 0)
-        base = (slot // BLOCK_SIZE).to(tl.int64) * stride_block + (slot % BLOCK_SIZE).to(tl.int64) * stride_offset
-        base += g.to(tl.int64) * stride_head
-        k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        if DOT_UPCAST:
-            k = k.to(tl.float32)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        base_g0 = (slot // BLOCK_SIZE).to(tl.int64) * stride_block + (slot % BLOCK_SIZE).to(tl.int64) * stride_offset
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
         # Query i (0-based in the chunk) sees key j iff j <= n_live - n_new + i.
         first_q = tl.maximum(n0 - (n_live - n_new), 0)
-        for qi0 in range(q_start + first_q, q_end, BLOCK_Q):
-            q_tok = qi0 + r_q
-            row_ok = (r_h < GROUP) & (q_tok < q_end)
-            q_off = q_tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-            qv = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        base = base_g0  # int64 offsets of kv head g's K rows, advanced per head
+        for g in range(0, num_kv_heads):
+            head = g * GROUP + r_h
+            k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
             if DOT_UPCAST:
-                qv = qv.to(tl.float32)
-            lse = tl.load(lse_ptr + q_tok.to(tl.int64) * num_q_heads + head, mask=row_ok, other=float("-inf"))
-            lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
-            s = tl.dot(qv, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            lim = n_live - n_new + (q_tok - q_start)
-            # A NaN lse (a NaN score in the row) passes, so its keys score NaN, as in the reference.
-            allowed = row_ok[:, None] & ok[None, :] & (j[None, :] <= lim[:, None]) & (lse[:, None] != float("-inf"))
-            p = tl.where(allowed, tl.exp2(s - lse_safe[:, None]), 0.0)
-            acc += tl.sum(p, 0)
-        dst = (kv_start + j).to(tl.int64) * num_kv_heads + g
-        tl.store(key_scores_ptr + dst, acc, mask=in_range)
+                k = k.to(tl.float32)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for qi0 in range(q_start + first_q, q_end, BLOCK_Q):
+                q_tok = qi0 + r_q
+                row_ok = (r_h < GROUP) & (q_tok < q_end)
+                q_off = q_tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+                qv = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                if DOT_UPCAST:
+                    qv = qv.to(tl.float32)
+                lse = tl.load(lse_ptr + q_tok.to(tl.int64) * num_q_heads + head, mask=row_ok, other=float("-inf"))
+                lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+                s = tl.dot(qv, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+                lim = n_live - n_new + (q_tok - q_start)
+                # A NaN lse (a NaN score in the row) passes, so its keys score NaN, as in the reference.
+                allowed = row_ok[:, None] & ok[None, :] & (j[None, :] <= lim[:, None]) & (lse[:, None] != float("-inf"))
+                p = tl.where(allowed, tl.exp2(s - lse_safe[:, None]), 0.0)
+                acc += tl.sum(p, 0)
+            if KEY_SCORES:
+                tl.store(key_scores_ptr + (kv_start + j).to(tl.int64) * num_kv_heads + g, acc, mask=in_range)
+            total += acc
+            base += stride_head
+        if SCORE_OUT:
+            _add_scores(score_out_ptr, mirror_starts_ptr, kv_pos_ptr, req, kv_start, j, ok, total)
 
 
 @triton.jit
@@ -391,6 +573,7 @@ def _token_attention_kernel(
     lse_ptr,  # [num_q_tokens, num_q_heads] fp32 base-2 log-sum-exp; when WRITE_LSE and not SPLIT
     mid_o_ptr,  # [num_q_tokens, num_q_heads, num_splits, BLOCK_D] fp32; when SPLIT
     mid_lse_ptr,  # [num_q_tokens, num_q_heads, num_splits] fp32; when SPLIT
+    logits_ptr,  # [num_q_heads, nnz_max] fp32 base-2 scores q.k * qk_scale of every key read; when WRITE_LOGITS
     # Constants
     num_reqs,
     num_q_tokens,
@@ -417,6 +600,7 @@ def _token_attention_kernel(
     IS_DECODE: tl.constexpr,
     SPLIT: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    WRITE_LOGITS: tl.constexpr,  # decode only (one query per request: a key's scores are one per q head)
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
@@ -484,6 +668,10 @@ def _token_attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(qv, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if WRITE_LOGITS:
+            # The key-score pass normalises these with the final lse instead of reading K again.
+            lg_off = head.to(tl.int64)[:, None] * nnz_max + (kv_start + j)[None, :]
+            tl.store(logits_ptr + lg_off, s, mask=row_ok[:, None] & in_range[None, :])
         allowed = ok[None, :] & (j[None, :] <= lim[:, None])
         s = tl.where(allowed, s, float("-inf"))
         # NOTE: in P @ V a NaN/Inf in the V of a key that a row may not attend (p = 0) would still

@@ -101,7 +101,7 @@ def select_backend(op: str, device: torch.device, *, has_cuda_impl: bool = True)
 
 
 def token_attention(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr=None, *, scale=None,
-                    return_key_scores=False, out=None):
+                    return_key_scores=False, out=None, score_out=None, mirror_starts=None, kv_pos=None):
     """Attention that reads K/V through per-token slots (decode, or varlen prefill with ``q_indptr``).
 
     ``q`` ``[num_q_tokens, num_q_heads, head_dim]`` fp16/bf16/fp32; ``kv_cache`` one
@@ -109,22 +109,129 @@ def token_attention(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr=None, *
     [nnz_max]`` / ``kv_indptr [num_reqs+1]`` (PAD past ``kv_indptr[-1]``); int32
     ``q_indptr [num_reqs+1]`` or ``None`` (one query per request). Returns ``out``
     (dtype of ``q``) or ``(out, key_scores)`` with float32 ``key_scores [nnz_max,
-    num_kv_heads]``. Full semantics, NaN propagation included:
-    :mod:`vtoken.reference.token_attention`. Contract:
+    num_kv_heads]``. With float32 ``score_out [mirror_size]``, int64
+    ``mirror_starts [>= num_reqs]`` and int32 ``kv_pos [nnz_max]``, each key's
+    probability mass (all query heads, all the step's queries) is added into
+    ``score_out[mirror_starts[r] + kv_pos[j]]`` in place. Full semantics, NaN
+    propagation included: :mod:`vtoken.reference.token_attention`. Contract:
     :func:`vtoken_kernels.contracts.validate_token_attention_args`.
     Backends: Triton, else the torch reference (no CUDA C++ implementation).
+    A one-shot :func:`plan_token_attention` + ``run``; a caller with many layers
+    plans once per step instead.
     """
     check_tensor("q", q)
     backend = select_backend("token_attention", q.device, has_cuda_impl=False)
     # The reference reads the index tensors on the host anyway: its content checks cost no extra sync.
-    contracts.validate_token_attention_args(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr, scale=scale,
-                                            out=out, content_checks=True if backend == "torch" else None)
+    a = contracts.validate_token_attention_args(
+        q, kv_cache, layout, kv_indices, kv_indptr, q_indptr, scale=scale, out=out, mirror_starts=mirror_starts,
+        kv_pos=kv_pos, score_out=score_out, content_checks=True if backend == "torch" else None)
+    plan = _make_plan(backend, a, layout, kv_indices, kv_indptr, q_indptr, q.dtype, q.device, scale,
+                      return_key_scores or score_out is not None, mirror_starts, kv_pos)
+    return plan.run(q, kv_cache, out=out, return_key_scores=return_key_scores, score_out=score_out)
+
+
+class TokenAttentionStep:
+    """``token_attention`` planned once per step (FlashInfer's plan/run): :meth:`run` once per layer.
+
+    Built by :func:`plan_token_attention`, which checked the step's half of the
+    contract; :meth:`run` checks the layer's half, O(1) (tensor metadata only),
+    then launches. See :func:`plan_token_attention`.
+    """
+
+    def __init__(self, plan, a, layout, dtype, scores: bool, scored: bool):
+        self.plan, self.args, self.layout, self.dtype = plan, a, layout, dtype
+        self._scores, self._scored = scores, scored
+
+    def run(self, q, kv_cache, *, out=None, return_key_scores=False, score_out=None):
+        """One layer's attention: ``out`` or ``(out, key_scores)``; adds into ``score_out`` when given.
+
+        ``q`` ``[num_q_tokens, num_q_heads, head_dim]`` (as planned), ``kv_cache``
+        this layer's cache (the planned layout), ``out`` optional (shape and dtype
+        of ``q``), ``score_out`` optional float32 ``[mirror_size]`` (needs a plan
+        with ``mirror_starts`` / ``kv_pos``).
+        """
+        contracts.validate_token_attention_layer_args(self.args, self.layout, q, kv_cache, out=out,
+                                                      score_out=score_out, scored=self._scored)
+        if q.dtype != self.dtype:
+            raise InvalidArgumentError(f"q: expected dtype {self.dtype} as planned, got {q.dtype}")
+        if (return_key_scores or score_out is not None) and not self._scores:
+            raise InvalidArgumentError("return_key_scores: expected a plan built with scores=True, got scores=False")
+        return self.plan.run(q, kv_cache, out=out, return_key_scores=return_key_scores, score_out=score_out)
+
+
+def plan_token_attention(layout, kv_indices, kv_indptr, q_indptr=None, *, num_q_heads, dtype, num_q_tokens=None,
+                         scale=None, scores=False, mirror_starts=None, kv_pos=None):
+    """Plan one step of :func:`token_attention` over the step's fixed-address slot lists.
+
+    Validates the step's half of the contract once (slot lists, ``mirror_starts``
+    / ``kv_pos``; content checks under the usual rule), picks splits and tiles and
+    allocates the workspaces. The returned :class:`TokenAttentionStep`'s ``run(q,
+    kv_cache, out=..., score_out=...)`` is called once per layer, does O(1)
+    checks and, given ``out``, allocates nothing (CUDA-graph capturable). The
+    index tensors may be overwritten in place (same shapes) between runs.
+
+    Args:
+        layout: :class:`vtoken.layout.KVLayout` shared by every layer's cache.
+        kv_indices: int32 ``[nnz_max]``; kv_indptr: int32 ``[num_reqs + 1]``;
+            q_indptr: int32 ``[num_reqs + 1]`` (varlen prefill) or ``None`` (decode).
+        num_q_heads: query heads; ``dtype``: of ``q`` and the caches (device: ``kv_indices``'s).
+        num_q_tokens: rows of every layer's ``q``; required with ``q_indptr`` (reading
+            ``q_indptr[-1]`` would be a host sync), ``num_reqs`` in decode.
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        scores: allocate the score workspaces (``return_key_scores`` / ``score_out`` need them).
+        mirror_starts: int64 ``[>= num_reqs]``; kv_pos: int32 ``[nnz_max]``: where
+            each key's mass goes in ``score_out`` (``mirror_starts[r] + kv_pos[j]``).
+
+    Example::
+
+        >>> import torch
+        >>> from vtoken import ops
+        >>> from vtoken.layout import KVLayout, kv_cache_shape
+        >>> caches = [torch.randn(kv_cache_shape("nhd", 4, 16, 2, 64)) for _ in range(2)]
+        >>> lay = KVLayout.from_tensor(caches[0], "nhd")
+        >>> idx, ptr = torch.tensor([3, 17, 40], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
+        >>> step = ops.plan_token_attention(lay, idx, ptr, num_q_heads=4, dtype=torch.float32, scores=True,
+        ...     mirror_starts=torch.zeros(1, dtype=torch.int64), kv_pos=torch.tensor([0, 1, 2], dtype=torch.int32))
+        >>> token_scores = torch.zeros(3)
+        >>> for cache in caches:
+        ...     o = step.run(torch.randn(1, 4, 64), cache, score_out=token_scores)
+        >>> round(float(token_scores.sum()), 4)  # 2 layers x 4 query heads x 1 query
+        8.0
+    """
+    check_tensor("kv_indices", kv_indices)
+    check_tensor("kv_indptr", kv_indptr)
+    device = kv_indices.device
+    if dtype not in contracts.ATTN_DTYPES:
+        raise InvalidArgumentError(f"dtype: expected one of {list(contracts.ATTN_DTYPES)}, got {dtype}")
+    if num_q_tokens is None:
+        if q_indptr is not None:
+            raise InvalidArgumentError("num_q_tokens: expected an int with q_indptr (prefill), got None")
+        num_q_tokens = kv_indptr.numel() - 1
+    if isinstance(num_q_tokens, bool) or not isinstance(num_q_tokens, int) or num_q_tokens < 0:
+        raise InvalidArgumentError(f"num_q_tokens: expected an int >= 0, got {num_q_tokens!r}")
+    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1:
+        raise InvalidArgumentError(f"num_q_heads: expected an int >= 1, got {num_q_heads!r}")
+    backend = select_backend("token_attention", device, has_cuda_impl=False)
+    a = contracts.validate_token_attention_step_args(
+        layout, kv_indices, kv_indptr, q_indptr, num_q_tokens=num_q_tokens, num_q_heads=num_q_heads,
+        head_dim=getattr(layout, "head_dim", 0), device=device, scale=scale, mirror_starts=mirror_starts,
+        kv_pos=kv_pos, content_checks=True if backend == "torch" else None)
+    plan = _make_plan(backend, a, layout, kv_indices, kv_indptr, q_indptr, dtype, device, scale, scores,
+                      mirror_starts, kv_pos)
+    return TokenAttentionStep(plan, a, layout, dtype, bool(scores), mirror_starts is not None)
+
+
+def _make_plan(backend, a, layout, kv_indices, kv_indptr, q_indptr, dtype, device, scale, scores,
+               mirror_starts, kv_pos):
     if backend == "triton":
-        from vtoken_kernels.token_attention import token_attention as impl
-    else:
-        from vtoken.reference.token_attention import token_attention as impl
-    return impl(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr, scale=scale,
-                return_key_scores=return_key_scores, out=out)
+        from vtoken_kernels.token_attention import TokenAttentionPlan
+
+        return TokenAttentionPlan(a, layout, kv_indices, kv_indptr, q_indptr, dtype=dtype, device=device,
+                                  scores=scores, mirror_starts=mirror_starts, kv_pos=kv_pos)
+    from vtoken.reference.token_attention import TokenAttentionReferencePlan
+
+    return TokenAttentionReferencePlan(layout, kv_indices, kv_indptr, q_indptr, scale=scale,
+                                       mirror_starts=mirror_starts, kv_pos=kv_pos)
 
 
 # --- compact_kv ------------------------------------------------------------

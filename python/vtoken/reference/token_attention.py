@@ -22,6 +22,13 @@ per-dtype tolerance stated in ``tests/test_token_attention.py``):
   ``j`` of request ``r``, the sum over ``r``'s queries and over the query heads
   of kv head ``g``'s group of the softmax probability given to key ``j``. Rows
   that belong to no request are 0. H2O / TOVA-style policies accumulate it.
+* ``score_out`` (float32 ``[mirror_size]``, with int64 ``mirror_starts
+  [>= num_reqs]`` and int32 ``kv_pos [nnz_max]``): for every scored entry
+  ``j`` of request ``r`` (listed, slot in ``[0, num_slots)``; PAD is not scored),
+  ``key_scores[j].sum()`` (all query heads, all the step's queries) is ADDED to
+  ``score_out[mirror_starts[r] + kv_pos[j]]``; the destinations are unique and
+  every other entry is left untouched. Calls over the layers of a step
+  accumulate the step's per-token mass in place.
 
 Non-finite inputs (NaN propagation; every backend does the same, so a NaN is
 never turned into a finite result):
@@ -62,6 +69,9 @@ def token_attention(
     return_key_scores: bool = False,
     out: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    score_out: torch.Tensor | None = None,
+    mirror_starts: torch.Tensor | None = None,
+    kv_pos: torch.Tensor | None = None,
 ):
     """Reference token-indexed attention (a per-request host loop; see module docstring).
 
@@ -80,6 +90,8 @@ def token_attention(
         out: optional preallocated output (shape and dtype of ``q``).
         compute_dtype: float32 (default) or float64. float64 is the test oracle:
             it returns the output and key scores in float64 (``out`` must be None).
+        score_out: float32 ``[mirror_size]`` added into in place (module
+            docstring), with int64 ``mirror_starts`` and int32 ``kv_pos``.
 
     Returns:
         ``out`` (dtype of ``q``), or ``(out, key_scores)``.
@@ -145,6 +157,11 @@ def token_attention(
         result[q0:q1] = o.reshape(n_new, a.num_q_heads, -1)
         # Sum over the group's query heads and the request's queries, per kv head.
         scores[k0:k1] = p.sum(dim=(1, 2)).T
+        if score_out is not None:
+            scored = valid & (slots < layout.num_slots)
+            dst = int(mirror_starts[r]) + kv_pos[k0:k1].to(torch.int64)
+            mass = scores[k0:k1].sum(dim=1).to(score_out.dtype)
+            score_out[dst[scored]] += mass[scored]
     if compute_dtype == torch.float64:
         out = result
     else:
@@ -154,3 +171,21 @@ def token_attention(
     if return_key_scores:
         return out, scores
     return out
+
+
+class TokenAttentionReferencePlan:
+    """The torch backend's plan: keeps the step's arguments, ``run`` calls :func:`token_attention`.
+
+    Same interface as :class:`vtoken_kernels.token_attention.TokenAttentionPlan`
+    (built by :func:`vtoken.ops.plan_token_attention`); validation happened there.
+    """
+
+    def __init__(self, layout, kv_indices, kv_indptr, q_indptr=None, *, scale=None, mirror_starts=None, kv_pos=None):
+        self.layout, self.kv_indices, self.kv_indptr, self.q_indptr = layout, kv_indices, kv_indptr, q_indptr
+        self.scale, self.mirror_starts, self.kv_pos = scale, mirror_starts, kv_pos
+
+    def run(self, q, kv_cache, *, out=None, return_key_scores=False, score_out=None):
+        """One layer: ``out`` or ``(out, key_scores)``; adds into ``score_out`` when given."""
+        return token_attention(q, kv_cache, self.layout, self.kv_indices, self.kv_indptr, self.q_indptr,
+                               scale=self.scale, return_key_scores=return_key_scores, out=out,
+                               score_out=score_out, mirror_starts=self.mirror_starts, kv_pos=self.kv_pos)
