@@ -279,3 +279,48 @@ def test_evicting_an_unknown_request_changes_neither_the_table_nor_the_mirror():
     assert torch.equal(dev[0], m.slots) and torch.equal(dev[1], m.alive)
     assert not hasattr(m, "evict")
     m.check_against_table()
+
+
+def test_the_mirror_arena_stays_bounded_when_requests_come_and_go():
+    """Finished requests' segments are reclaimed by a re-layout; the arena tracks the live size, not history."""
+    rt = Runtime(num_blocks=64, block_size=4, mirror=True, mirror_min_slack=8)
+    m = rt.mirror
+    bufs = SlotListBuffers(max_reqs=4, nnz_max=256, max_tokens=64)
+    for i in range(300):
+        rt.add(i)
+        rt.append([i], [13])
+        rt.evict(i, [0, 5])
+        live = [r for r in rt.table.requests()]
+        m.build(bufs, live, [13 if r == i else 0 for r in live])
+        _expect(rt.table, live, [13 if r == i else 0 for r in live], bufs)
+        if i >= 2:
+            rt.mgr.finish_request(i - 2)  # two requests resident at a time
+    m.sync()
+    assert m.relayouts > 0
+    assert m._end <= 3 * m._seg_cap(13) * 2, m._end  # a few segments, not 300
+    m.check_against_table()
+
+
+def test_an_event_batch_with_an_unknown_kind_changes_nothing():
+    m = DeviceMirror(None, "cpu", initial_tokens=64, min_slack=4)
+    slots, alive = m.slots.clone(), m.alive.clone()
+    events = [("add", 0, "a"), ("append", np.array([0]), np.array([2]), np.array([4, 5], dtype=np.int32)),
+              ("bogus", 0)]
+    with pytest.raises(InvalidArgumentError, match="events: expected kinds"):
+        m.apply(events)
+    assert m.tracked() == [] and m.flush() == 0
+    assert torch.equal(slots, m.slots) and torch.equal(alive, m.alive)
+
+
+def test_a_mirror_that_goes_away_stops_pinning_the_journal():
+    import gc
+
+    rt = Runtime(num_blocks=16, block_size=4)
+    m = DeviceMirror(rt.table, "cpu")
+    assert len(rt.table.journal._readers) == 1
+    del m
+    gc.collect()
+    assert rt.table.journal._readers == {}
+    rt.add("a")
+    rt.append(["a"], [3])
+    assert rt.table.journal._events == []

@@ -84,3 +84,16 @@ def test_a_replay_of_the_events_equals_the_table():
         alive = np.array(m["alive"], dtype=bool)
         assert np.array_equal(alive, t.live_mask(req))
         assert np.array_equal(np.array(m["slots"], dtype=np.int32)[alive], t.live_slots(req))
+
+
+def test_the_journal_keeps_its_own_copies_of_what_the_caller_passed_or_got():
+    from vtoken.buffers import DeviceMirror
+
+    t = make_table(64, 4)
+    m = DeviceMirror(t, "cpu", initial_tokens=64, min_slack=4)
+    t.add_request("a")
+    counts = np.array([6])
+    slots = t.sync_new_tokens_batch(["a"], counts)
+    slots[:] = -5  # the caller scribbles on its slot mapping and its counts
+    counts[:] = 99
+    m.check_against_table()

@@ -855,3 +855,18 @@ def test_gpu_cuda_graph_replays_with_overwritten_lists():
         torch.cuda.synchronize()
         expected = tri_attention(q, cache, lay, idx, ptr)
         assert torch.equal(out, expected)
+
+
+def test_a_planned_run_checks_where_scores_go_like_the_one_shot_op():
+    """Out-of-range or repeated score destinations are refused per run, score_out untouched (CPU tensors)."""
+    a = _valid_args()
+    starts = torch.tensor([0, 10], dtype=torch.int64)
+    for kv_pos, match in ((torch.tensor([0, 1, 1, 0, -1], dtype=torch.int32), "unique destinations"),
+                          (torch.tensor([0, 1, 2, 9, -1], dtype=torch.int32), r"in \[0, len\(score_out\)")):
+        step = ops.plan_token_attention(a["layout"], a["kv_indices"], a["kv_indptr"], num_q_heads=4,
+                                        dtype=torch.float16, scores=True, mirror_starts=starts, kv_pos=kv_pos)
+        score_out = torch.full((16,), -0.0)
+        before = score_out.clone()
+        with pytest.raises(InvalidArgumentError, match=match):
+            step.run(a["q"], a["kv_cache"], score_out=score_out)
+        assert torch.equal(score_out, before) and torch.equal(score_out.signbit(), before.signbit())

@@ -144,7 +144,8 @@ class TokenAttentionPlan:
     ``out``, allocates nothing (``return_key_scores`` allocates its result), so
     it can be captured in a CUDA graph. The plan keeps references to the index
     tensors: overwrite them in place (same shapes) and run again, as a graph
-    replay does; the workspaces are reused by every run, so runs of one plan
+    replay does (NOTE: a prefill plan lays out its query tiles from ``q_indptr``
+    at construction: plan again when it changes); the workspaces are reused by every run, so runs of one plan
     must be stream-ordered.
 
     Args:
@@ -221,11 +222,7 @@ class TokenAttentionPlan:
         op boundary checks that in O(1) per layer. See :func:`token_attention`.
         """
         a, layout, cfg = self.a, self.layout, self.cfg
-        scored = return_key_scores or score_out is not None
-        if scored and not self.scores:
-            raise InvalidArgumentError("return_key_scores: expected a plan built with scores=True, got scores=False")
-        if score_out is not None and self.mirror_starts is None:
-            raise InvalidArgumentError("score_out: expected a plan built with mirror_starts and kv_pos, got neither")
+        scored = return_key_scores or score_out is not None  # the op boundary checked the plan allows it
         if out is None:
             out = torch.empty_like(q)
         key_scores = (

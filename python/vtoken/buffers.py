@@ -43,6 +43,7 @@ Per step (engine side)::
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence
 
 import numpy as np
@@ -80,7 +81,7 @@ class SlotListBuffers:
         new_token_counts int64 [max_reqs]     build argument
 
     Host mirrors (no device read): ``num_reqs``, ``kv_indptr_host`` (int64,
-    from the table's live counts), ``num_new_tokens``.
+    from the mirror's live counts), ``num_new_tokens``.
 
     Example:
         >>> bufs = SlotListBuffers(max_reqs=4, nnz_max=64, max_tokens=8, device="cpu")
@@ -120,6 +121,7 @@ class DeltaShipper:
         self.is_gpu = device.type == "cuda"
         self._slot: list = []  # (positions int64, values int32)
         self._alive: list = []  # (positions int64, values int8)
+        self._dead: list = []  # (start, length): ranges whose alive bits go to 0 after the writes above
         # NOTE: a staging buffer is reused only once its copy's event completed (no host wait).
         self._staging = StagingRing(pinned=True, dtype=torch.int64, prealloc=8, capacity=1 << 16) \
             if self.is_gpu else None
@@ -130,6 +132,16 @@ class DeltaShipper:
 
     def set_alive(self, positions: np.ndarray, value: int) -> None:
         self._alive.append((positions, np.full(len(positions), value, dtype=np.int8)))
+
+    def kill_range(self, start: int, length: int) -> None:
+        """Zero ``alive[start : start + length]`` at the next flush, after every pending write.
+
+        NOTE: a finished request's range: pending writes may still target it
+        (they were made before the finish), none can after it (new segments
+        never overlap a dead one until a re-layout, which flushes first).
+        """
+        if length:
+            self._dead.append((int(start), int(length)))
 
     @staticmethod
     def _dedupe(parts: list) -> tuple[np.ndarray, np.ndarray]:
@@ -145,7 +157,7 @@ class DeltaShipper:
 
     def flush(self, slots: torch.Tensor, alive: torch.Tensor) -> int:
         """Apply every pending write to ``slots`` / ``alive``; return the entries shipped."""
-        if not self._slot and not self._alive:
+        if not self._slot and not self._alive and not self._dead:
             return 0
         sp, sv = self._dedupe(self._slot) if self._slot else (np.zeros(0, np.int64), np.zeros(0, np.int32))
         ap, av = self._dedupe(self._alive) if self._alive else (np.zeros(0, np.int64), np.zeros(0, np.int8))
@@ -157,6 +169,9 @@ class DeltaShipper:
             slots.index_copy_(0, dev[:k1], dev[k1 : 2 * k1].to(torch.int32))
         if k2:
             alive.index_copy_(0, dev[2 * k1 : 2 * k1 + k2], dev[2 * k1 + k2 :].to(torch.int8))
+        for start, length in self._dead:
+            alive[start : start + length].zero_()
+        self._dead = []
         self.bytes_shipped += packed.nbytes
         return k1 + k2
 
@@ -213,6 +228,7 @@ class DeviceMirror:
         self.slots = torch.full((cap,), PAD, dtype=torch.int32, device=self.device)
         self.alive = torch.zeros(cap, dtype=torch.int8, device=self.device)
         self._end = 0
+        self._garbage = 0  # positions held by finished requests' segments
         # Per table row (grown with the row space seen in the events).
         self._start = np.zeros(64, dtype=np.int64)
         self._cap = np.zeros(64, dtype=np.int64)
@@ -225,6 +241,8 @@ class DeviceMirror:
         self._reader = None
         if table is not None:
             self._reader = table.journal.subscribe()
+            # A mirror that goes away stops pinning the journal's events.
+            weakref.finalize(self, table.journal.unsubscribe, self._reader)
             for req in table.requests():  # requests registered before the mirror existed
                 self._bootstrap(req)
 
@@ -251,6 +269,12 @@ class DeviceMirror:
     def live_count(self, req) -> int:
         return int(self._nlive[self._row(req)])
 
+    def close(self) -> None:
+        """Stop following the table (its journal no longer keeps events for this mirror)."""
+        if self._reader is not None:
+            self.table.journal.unsubscribe(self._reader)
+            self._reader = None
+
     def num_tokens(self, req) -> int:
         return int(self._n[self._row(req)])
 
@@ -272,11 +296,12 @@ class DeviceMirror:
 
     def apply(self, events) -> None:
         """Apply table events (:mod:`vtoken.journal`) in order; device writes wait for :meth:`flush`."""
+        events = list(events)
+        unknown = [ev[0] for ev in events if ev[0] not in self._HANDLERS]
+        if unknown:  # before any event is applied
+            raise InvalidArgumentError(f"events: expected kinds {sorted(self._HANDLERS)}, got {unknown[0]!r}")
         for ev in events:
-            handler = self._HANDLERS.get(ev[0])
-            if handler is None:
-                raise InvalidArgumentError(f"events: expected kinds {sorted(self._HANDLERS)}, got {ev[0]!r}")
-            handler(self, *ev[1:])
+            self._HANDLERS[ev[0]](self, *ev[1:])
 
     def _bootstrap(self, req) -> None:
         row = self.table.row_of(req)
@@ -324,13 +349,16 @@ class DeviceMirror:
             self.deltas.set_slots(self._start[row] + token_ids, new_slots)
 
     def _on_finish(self, row: int) -> None:
-        """The request left: its segment becomes dead space (alive = 0)."""
-        self.flush()  # pending deltas may still target the segment
-        s, n = int(self._start[row]), int(self._n[row])
-        if n:
-            self.alive[s : s + n].zero_()
+        """The request left: its segment becomes dead space (alive = 0 at the next flush)."""
+        s, n, cap = int(self._start[row]), int(self._n[row]), int(self._cap[row])
+        self.deltas.kill_range(s, n)
         del self._tracked[self._req_of.pop(row)]
         self._n[row] = self._cap[row] = self._nlive[row] = 0
+        self._garbage += cap  # NOTE: never reused in place: its kill_range is still pending
+        # NOTE: dead segments are reclaimed by a re-layout once they exceed 1/8 of
+        # the arena, so a long-lived worker's mirror stays bounded by its peak live size.
+        if self._garbage > max(self._end // 8, 4 * self.min_slack):
+            self._relayout(sorted(self._tracked.values(), key=lambda r: self._start[r]))
 
     _HANDLERS = {"add": _on_add, "append": _on_append, "evict": _on_evict, "move": _on_move, "finish": _on_finish}
 
@@ -395,6 +423,7 @@ class DeviceMirror:
         self._start[rows] = new_start
         self._cap[rows] = caps
         self._end = total_cap
+        self._garbage = 0
         self.relayouts += 1
 
     # ----------------------------------------------------------------- build

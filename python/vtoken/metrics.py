@@ -52,7 +52,7 @@ class StepRecord:
     bytes_in_flight: int = 0  # K/V bytes of launches whose event had not completed at commit
     planner_us: float = 0.0  # maybe_plan(): trigger, snapshot, planning, destination reservation
     launch_us: float = 0.0  # launch(): host time to enqueue the copy
-    commit_us: float = 0.0  # commit(): apply_moves, mirror deltas, frees
+    commit_us: float = 0.0  # commit(): apply_moves (the journal carries them to the mirrors), frees
     host_stall_us: float = 0.0  # force_sync only: host blocked on the relocation event
     pending_events: int = 0  # relocation events not yet complete (GPU)
     event_waits: int = 0  # compute-stream waits enqueued by before_forward this step

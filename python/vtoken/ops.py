@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from vtoken.errors import InvalidArgumentError, check_tensor
+from vtoken.errors import InvalidArgumentError, check_int, check_tensor
 from vtoken_kernels import contracts
 
 BACKENDS = ("cuda", "triton", "torch")
@@ -156,6 +156,11 @@ class TokenAttentionStep:
             raise InvalidArgumentError(f"q: expected dtype {self.dtype} as planned, got {q.dtype}")
         if (return_key_scores or score_out is not None) and not self._scores:
             raise InvalidArgumentError("return_key_scores: expected a plan built with scores=True, got scores=False")
+        if score_out is not None and contracts._content_checks(q.device, None):
+            # Same rule as the one-shot op: on CPU tensors or under VTOKEN_DEBUG_INVARIANTS=1.
+            kv_indices, kv_indptr, mirror_starts, kv_pos = self.index_tensors
+            contracts.check_score_destinations(kv_indices, kv_indptr, self.layout.num_slots, mirror_starts, kv_pos,
+                                               score_out.numel())
         return self.plan.run(q, kv_cache, out=out, return_key_scores=return_key_scores, score_out=score_out)
 
 
@@ -167,8 +172,10 @@ def plan_token_attention(layout, kv_indices, kv_indptr, q_indptr=None, *, num_q_
     / ``kv_pos``; content checks under the usual rule), picks splits and tiles and
     allocates the workspaces. The returned :class:`TokenAttentionStep`'s ``run(q,
     kv_cache, out=..., score_out=...)`` is called once per layer, does O(1)
-    checks and, given ``out``, allocates nothing (CUDA-graph capturable). The
-    index tensors may be overwritten in place (same shapes) between runs.
+    checks and, given ``out``, allocates nothing (CUDA-graph capturable).
+    ``kv_indices`` / ``kv_indptr`` / ``mirror_starts`` / ``kv_pos`` may be
+    overwritten in place (same shapes) between runs. NOTE: a prefill plan reads
+    ``q_indptr`` once, to lay out its query tiles: plan again when it changes.
 
     Args:
         layout: :class:`vtoken.layout.KVLayout` shared by every layer's cache.
@@ -207,10 +214,8 @@ def plan_token_attention(layout, kv_indices, kv_indptr, q_indptr=None, *, num_q_
         if q_indptr is not None:
             raise InvalidArgumentError("num_q_tokens: expected an int with q_indptr (prefill), got None")
         num_q_tokens = kv_indptr.numel() - 1
-    if isinstance(num_q_tokens, bool) or not isinstance(num_q_tokens, int) or num_q_tokens < 0:
-        raise InvalidArgumentError(f"num_q_tokens: expected an int >= 0, got {num_q_tokens!r}")
-    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1:
-        raise InvalidArgumentError(f"num_q_heads: expected an int >= 1, got {num_q_heads!r}")
+    num_q_tokens = check_int("num_q_tokens", num_q_tokens, min_value=0)
+    num_q_heads = check_int("num_q_heads", num_q_heads, min_value=1)
     backend = select_backend("token_attention", device, has_cuda_impl=False)
     a = contracts.validate_token_attention_step_args(
         layout, kv_indices, kv_indptr, q_indptr, num_q_tokens=num_q_tokens, num_q_heads=num_q_heads,
@@ -218,7 +223,9 @@ def plan_token_attention(layout, kv_indices, kv_indptr, q_indptr=None, *, num_q_
         kv_pos=kv_pos, content_checks=True if backend == "torch" else None)
     plan = _make_plan(backend, a, layout, kv_indices, kv_indptr, q_indptr, dtype, device, scale, scores,
                       mirror_starts, kv_pos)
-    return TokenAttentionStep(plan, a, layout, dtype, bool(scores), mirror_starts is not None)
+    step = TokenAttentionStep(plan, a, layout, dtype, bool(scores), mirror_starts is not None)
+    step.index_tensors = (kv_indices, kv_indptr, mirror_starts, kv_pos)
+    return step
 
 
 def _make_plan(backend, a, layout, kv_indices, kv_indptr, q_indptr, dtype, device, scale, scores,

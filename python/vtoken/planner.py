@@ -225,4 +225,4 @@ def per_request_gain(
     S = int(block_size)
     cnt = np.bincount(owner, minlength=num_rows).astype(np.int64)
     tot = np.bincount(owner, weights=live, minlength=num_rows).astype(np.int64)
-    return cnt - (-(-tot // S)), cnt
+    return cnt - cdiv(tot, S), cnt

@@ -17,7 +17,7 @@ from vtoken.errors import InvalidArgumentError, UnknownRequestError
 
 
 class RequestRows:
-    """Ids to rows and back; the lowest free row is reused first."""
+    """Ids to rows and back; the most recently freed row is reused first."""
 
     def __init__(self, num_rows: int):
         self._rows: dict[Hashable, int] = {}

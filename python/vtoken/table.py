@@ -220,7 +220,7 @@ class TokenTable:
         led.add_live(blocks)
         self._nlive[rows] += counts
         self.arena.set_lengths(rows, new_n)
-        self.journal.emit("append", rows, counts, slots)
+        self.journal.emit("append", rows.copy(), counts.copy(), slots.copy())  # the caller keeps its arrays
         # A previous tail that became a non-tail with no live token is released now.
         was_full = opens & (old_n > 0) & (old_n % S == 0)
         if was_full.any():
