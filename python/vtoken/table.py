@@ -34,7 +34,7 @@ from typing import Optional
 
 import numpy as np
 
-from vtoken import PAD_SLOT, cdiv
+from vtoken import cdiv
 from vtoken.arena import SegmentArena
 from vtoken.errors import (
     InvalidArgumentError,
@@ -49,8 +49,6 @@ from vtoken.pool import NULL_BLOCK
 from vtoken.relocation import RelocationTransitions
 from vtoken.request_rows import RequestRows
 from vtoken.shared_blocks import SharedBlocks
-
-PAD = PAD_SLOT
 
 _DTYPE = operator.attrgetter("dtype")
 _BIT = (1 << np.arange(8)).astype(np.uint8)  # alive-bit masks by offset in the byte: one gather, no casts
