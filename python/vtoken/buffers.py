@@ -238,6 +238,7 @@ class DeviceMirror:
         self._req_of: dict = {}  # row -> req
         self.deltas = DeltaShipper(self.device)
         self.relayouts = 0
+        self._layout_listeners: list = []  # called with (source, new_size) when positions move or the arena grows
         self._reader = None
         if table is not None:
             self._reader = table.journal.subscribe()
@@ -287,6 +288,34 @@ class DeviceMirror:
         row = self._row(req)
         s, n = int(self._start[row]), int(self._n[row])
         return self.slots[s : s + n].cpu().numpy(), self.alive[s : s + n].cpu().numpy() != 0
+
+    def add_layout_listener(self, listener) -> None:
+        """Call ``listener(source, size)`` whenever the arena changes size or its positions move.
+
+        ``source`` int64 [size] on the device: new position i holds old
+        position ``source[i]`` (-1: nothing). Per-position device state kept
+        beside the mirror (e.g. eviction-policy scores) follows with one gather.
+        """
+        self._layout_listeners.append(listener)
+
+    def _notify_layout(self, source: torch.Tensor) -> None:
+        for listener in self._layout_listeners:
+            listener(source, source.numel())
+
+    def kill_on_device(self, positions: torch.Tensor, kill: torch.Tensor) -> None:
+        """Clear the alive bit at ``positions[i]`` where ``kill[i]`` (device tensors, no host sync).
+
+        The device-side decision loop evicts here first; the host table learns
+        the same victims a step later (:mod:`vtoken.decision_loop`), and its
+        journal's ``evict`` then clears the same bits again (idempotent) and
+        brings the host-side live counts up to date. Until then
+        :meth:`live_count` and ``kv_indptr_host`` count those victims: an upper bound.
+        Entries with ``kill`` False may hold any in-range position (duplicates
+        included): they leave the bit as it is.
+        """
+        self.flush()  # pending host deltas land first, so a kill is never overwritten by an older append
+        keep = (~kill).to(torch.int8)  # min(alive, 1) == alive; min(alive, 0) == 0
+        self.alive.scatter_reduce_(0, positions, keep, "amin")
 
     # ------------------------------------------------------------- events
     def sync(self) -> None:
@@ -381,6 +410,9 @@ class DeviceMirror:
         slots[: self._end].copy_(self.slots[: self._end])
         alive[: self._end].copy_(self.alive[: self._end])
         self.slots, self.alive = slots, alive
+        if self._layout_listeners:
+            source = torch.arange(new, dtype=torch.int64, device=self.device)
+            self._notify_layout(torch.where(source < cap, source, -1))
 
     def _is_last(self, row: int) -> bool:
         return int(self._start[row] + self._cap[row]) == self._end
@@ -419,6 +451,11 @@ class DeviceMirror:
             dst = meta[1][seg] + within
             slots.index_copy_(0, dst, self.slots.index_select(0, src))
             alive.index_copy_(0, dst, self.alive.index_select(0, src))
+        if self._layout_listeners:
+            source = torch.full((size,), -1, dtype=torch.int64, device=self.device)
+            if total:
+                source.index_copy_(0, dst, src)
+            self._notify_layout(source)
         self.slots, self.alive = slots, alive
         self._start[rows] = new_start
         self._cap[rows] = caps

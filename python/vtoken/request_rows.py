@@ -73,6 +73,10 @@ class RequestRows:
         self.row_of(req)  # raises UnknownRequestError
         return self._generation[req]
 
+    def generations_of(self, reqs) -> np.ndarray:
+        """:meth:`generation` of each of ``reqs`` (int64), -1 for an id not registered now."""
+        return np.fromiter((self._generation.get(r, -1) for r in reqs), dtype=np.int64)
+
     def check_new(self, req) -> None:
         """Raise unless ``req`` can be registered: hashable, equal to itself, not registered."""
         try:

@@ -147,6 +147,12 @@ class Budget:
         keep = seq_len if self.ratio is None else math.floor(round(self.ratio * seq_len, 9))
         return keep if self.cap is None else min(keep, self.cap)
 
+    def resolve_many(self, seq_lens: np.ndarray) -> np.ndarray:
+        """:meth:`resolve` for an int64 array of lengths, vectorized (the device loop's per-step budgets)."""
+        seq = np.asarray(seq_lens, dtype=np.int64)
+        keep = seq if self.ratio is None else np.floor(np.round(self.ratio * seq, 9)).astype(np.int64)
+        return keep if self.cap is None else np.minimum(keep, self.cap)
+
     def to_json(self) -> dict:
         return {"ratio": self.ratio, "cap": self.cap}
 

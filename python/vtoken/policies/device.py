@@ -59,10 +59,10 @@ def resolve_budgets(policy, seq_lens) -> np.ndarray:
     NOTE: budgets are resolved on the host from the host-known ``seq_len`` (the
     scheduler knows every request's length without reading the device): it is
     O(requests), ships with the step's other per-request arguments, and reuses
-    ``Budget.resolve``'s round-then-floor exactly, which a float kernel would
-    have to re-derive bit for bit.
+    ``Budget.resolve``'s round-then-floor exactly (``Budget.resolve_many``, one
+    numpy pass), which a float kernel would have to re-derive bit for bit.
     """
-    return np.array([policy.budget.resolve(int(s)) for s in seq_lens], dtype=np.int64)
+    return policy.budget.resolve_many(np.asarray(seq_lens, dtype=np.int64))
 
 
 # --------------------------------------------------------------------------- batch

@@ -1,0 +1,281 @@
+"""DecisionLoop: eviction decided and applied on the device; the host learns the victims one step late.
+
+Per step, after the forward (docs/architecture.md, "decision loop")::
+
+    loop.drain(table)            # host: apply the records whose copy completed (O(victims), one evict_flat)
+    ... forward (attention adds each key's probability mass into loop.token_mass) ...
+    loop.decide(reqs, slot_lists, seq_lens=..., num_new=...)   # device: no host sync
+
+:meth:`DecisionLoop.decide` runs a fixed number of torch launches, whatever
+the batch holds:
+
+1. the step's per-request arguments (``seq_len``, ``num_new``, budget, step,
+   seed) go to the device in one H2D copy;
+2. :class:`~vtoken.policies.device.DevicePolicyState` takes the step's key
+   masses from :attr:`token_mass` (indexed by mirror position, written in
+   place by ``token_attention``'s ``score_out``) and resets them;
+3. the policy's ``select_victims_device`` picks every request's victims;
+4. the victims that fit the :class:`~vtoken.victim_ring.VictimRing` record are
+   killed in the device mirror (alive bit 0), so the next attention never
+   reads them; the rest stay alive and are picked again next step;
+5. the per-block live counts are rebuilt from the mirror after the kills with
+   ``ops.block_live_counts`` (a shared-prefix block counts a slot while ANY
+   holder keeps it alive, the ledger's rule): O(mirror) device work, and
+   derived state that cannot drift from the mirror. A block that held a
+   victim and now counts zero is one of the step's emptied blocks (the frees
+   of Naive-Evict; the host frees them when it applies the victims, except a
+   request's tail block, which it keeps for the next append);
+6. the record (victim counts, victim ids, emptied blocks) is copied to pinned
+   host memory asynchronously, behind an event.
+
+:meth:`DecisionLoop.drain` (the next step, on the host) takes the records
+whose event completed (it never waits) and applies each with ONE
+``TokenTable.evict_flat`` call, skipping requests that finished or were
+re-registered since. It returns the applied decisions, keyed by the decision
+step's ``(request_id, seq_len)``, for victim traces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from vtoken import ops
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, check_int, debug_checks_enabled
+from vtoken.policies.base import request_seed
+from vtoken.policies.counter_hash import fold32
+from vtoken.policies.device import DeviceBatch, DevicePolicyState
+from vtoken.victim_ring import VictimRing
+
+_NO_BUDGET = np.iinfo(np.int64).max  # a request that must not evict this step (e.g. it just finished)
+
+
+@dataclass
+class StepMeta:
+    """What the host needs to apply one step's record (kept on the host beside the copy)."""
+
+    step: int
+    reqs: list
+    generations: np.ndarray
+    seq_lens: np.ndarray
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.reqs)
+
+
+@dataclass(frozen=True)
+class AppliedDecision:
+    """One request's victims of one step, as the host applied them."""
+
+    request_id: object
+    seq_len: int  # the request's length when the device decided (the trace key)
+    token_ids: np.ndarray
+    decided_step: int
+    applied_step: int
+
+
+class DecisionLoop:
+    """Device-side eviction for one :class:`~vtoken.buffers.DeviceMirror` (see module docstring).
+
+    Args:
+        policy: an :class:`~vtoken.policies.base.EvictionPolicy` with a device path.
+        mirror: the device mirror the runner builds its slot lists from.
+        num_blocks / block_size: the KV cache's geometry (slot = block * block_size + offset).
+        max_reqs: most requests per step.
+        table: the host :class:`~vtoken.table.TokenTable` the victims go to (default: the mirror's).
+        victim_capacity: victims one step's record holds (grows at a safe point when exceeded).
+        victim_capacity: default ``max(8 * max_reqs, 1024)``; block_capacity: emptied blocks one
+            record holds, default ``max(2 * max_reqs, 256)``.
+    """
+
+    def __init__(self, policy, mirror, *, num_blocks: int, block_size: int, max_reqs: int, table=None,
+                 victim_capacity: Optional[int] = None, block_capacity: Optional[int] = None):
+        if not hasattr(policy, "select_victims_device"):
+            raise InvalidTypeError(f"policy: expected an EvictionPolicy with a device path, got {type(policy).__name__}")
+        self.policy = policy
+        self.mirror = mirror
+        self.table = mirror.table if table is None else table
+        if self.table is None:
+            raise InvalidArgumentError("table: expected the host TokenTable the victims go to, got None")
+        self.device = mirror.device
+        self.num_blocks = check_int("num_blocks", num_blocks, min_value=1)
+        self.block_size = check_int("block_size", block_size, min_value=1)
+        self.max_reqs = check_int("max_reqs", max_reqs, min_value=1)
+        # Decode evicts about one token per request per step; a prefill over budget evicts more, and
+        # whatever does not fit is deferred a step (and the ring grows), never lost.
+        victim_capacity = max(8 * max_reqs, 1024) if victim_capacity is None else victim_capacity
+        block_capacity = max(2 * max_reqs, 256) if block_capacity is None else block_capacity
+        self.ring = VictimRing(max_reqs, victim_capacity, block_capacity, self.device)
+        cap = mirror.slots.numel()
+        self.state = DevicePolicyState.for_policy(policy, cap, self.device)
+        self.scored = policy.score_source == "exact"
+        # Per-step key mass by mirror position (+1 trash); token_attention adds into it, decide() resets it.
+        self.token_mass = torch.zeros(cap + 1, dtype=torch.float32, device=self.device) if self.scored else None
+        mirror.add_layout_listener(self._follow_layout)
+        num_slots = self.num_blocks * self.block_size
+        dev = dict(device=self.device)
+        self._slot_ids = torch.arange(num_slots, dtype=torch.int32, **dev)
+        self._refs = torch.zeros(num_slots + 1, dtype=torch.int32, **dev)  # alive holders per slot (+ trash)
+        self.block_live = torch.zeros(self.num_blocks + 1, dtype=torch.int32, **dev)  # + trash
+        self.waste_ratio = torch.zeros((), dtype=torch.float32, **dev)
+        self.steps = 0
+        self.num_deferred = 0
+        self.num_applied = 0
+
+    # ------------------------------------------------------------------ layout
+    def _follow_layout(self, source: torch.Tensor, size: int) -> None:
+        self.state.relayout(source)
+        if self.token_mass is not None:  # reset after every decide(): all zero between steps
+            self.token_mass = torch.zeros(size + 1, dtype=torch.float32, device=self.device)
+
+    # ------------------------------------------------------------------ device side
+    def _batch(self, slot_lists, n: int, seq_lens, num_new, reqs, done, window) -> DeviceBatch:
+        budget = self.policy.budget.resolve_many(seq_lens)
+        if done is not None:
+            budget = np.where(np.asarray(done, dtype=bool), _NO_BUDGET, budget)
+        seeds = np.fromiter((fold32(request_seed(r)) for r in reqs), dtype=np.int64, count=n)
+        host = np.zeros((6, self.max_reqs), dtype=np.int64)
+        host[0, :n], host[1, :n], host[2, :n], host[3, :n], host[4, :n] = seq_lens, num_new, budget, seq_lens, seeds
+        host[5, :n] = window
+        args = self.mirror.deltas.to_device(host.reshape(-1)).view(6, -1)  # one H2D copy
+        return DeviceBatch(
+            kv_pos=slot_lists.kv_pos, kv_indptr=slot_lists.kv_indptr, mirror_starts=slot_lists.mirror_starts,
+            seq_len=args[0], num_new=args[1], budget=args[2], num_reqs=n, step=args[3], request_seed=args[4],
+            window_step=args[5] != 0,
+        )
+
+    def decide(self, reqs: Sequence, slot_lists, *, seq_lens, num_new, done=None,
+               window_scores: Optional[torch.Tensor] = None) -> None:
+        """Decide, kill and ship this step's victims for the batch ``reqs`` (as built into ``slot_lists``).
+
+        ``seq_lens`` / ``num_new``: host int arrays per request (tokens so far,
+        tokens new this step; the policy's protected tail). ``done``: bool per
+        request that must not evict (finished this step). ``window_scores``:
+        float ``[nnz_max, H]`` window votes, rows as ``kv_pos`` (SnapKV's
+        prefill; its requests decide this step). No host sync.
+        """
+        reqs = list(reqs)
+        n = len(reqs)
+        if n != slot_lists.num_reqs:
+            raise InvalidArgumentError(f"reqs: expected the {slot_lists.num_reqs} requests the slot lists were built for, got {n}")
+        seq_lens = np.asarray(seq_lens, dtype=np.int64)
+        num_new = np.asarray(num_new, dtype=np.int64)
+        if seq_lens.shape != (n,) or num_new.shape != (n,):
+            raise InvalidArgumentError(f"seq_lens/num_new: expected {n} entries each, got {seq_lens.shape} and {num_new.shape}")
+        window = np.ones(n, dtype=np.int64) if window_scores is not None else np.zeros(n, dtype=np.int64)
+        batch = self._batch(slot_lists, n, seq_lens, num_new, reqs, done, window)
+        mp = batch.mirror_pos(self.state.capacity)
+        if self.scored:
+            mass = self.token_mass[mp]
+            self.token_mass.index_fill_(0, mp, 0.0)
+            self.state.update(batch, mass)
+        if window_scores is not None:
+            self.policy.record_votes_device(self.state, batch, window_scores)
+        mask, _ = self.policy.select_victims_device(self.state, batch)
+        self._apply(batch, slot_lists, mask, mp)
+        meta = StepMeta(self.steps, reqs, self._generations(reqs), seq_lens.copy())
+        self.ring.ship(meta)
+        self.steps += 1
+
+    def _apply(self, batch: DeviceBatch, slot_lists, mask: torch.Tensor, mp: torch.Tensor) -> None:
+        """Trim to the record, kill in the mirror, update the block counts, write the record (device only)."""
+        ring, nnz = self.ring, batch.nnz_max
+        rec = ring.record
+        dest = torch.cumsum(mask, 0) - 1
+        kept = mask & (dest < ring.victim_capacity)
+        counts = torch.zeros(batch.num_reqs + 1, dtype=torch.int32, device=self.device)
+        counts.index_add_(0, batch.req, kept.to(torch.int32))
+        ring.counts.zero_()
+        ring.counts[: batch.num_reqs] = counts[: batch.num_reqs]
+        rec.scatter_(0, torch.where(kept, ring.victims_offset + dest, ring.trash), batch.kv_pos.to(torch.int32))
+        # Kill in the mirror: entries that are not victims write "no change" (padding maps to position 0).
+        self.mirror.kill_on_device(torch.where(batch.valid, mp, 0), kept)
+        # Block live counts, rebuilt from the mirror after the kills (derived state: it cannot drift).
+        # A slot counts while ANY holder keeps it alive: the ledger's rule for shared-prefix blocks.
+        num_slots = self._slot_ids.numel()
+        slots = self.mirror.slots.to(torch.int64)
+        self._refs.zero_()
+        self._refs.index_add_(0, torch.where((self.mirror.alive != 0) & (slots >= 0), slots, num_slots),
+                              torch.ones_like(slots, dtype=torch.int32))
+        counts_now, self.waste_ratio = ops.block_live_counts(self._slot_ids, (self._refs[:num_slots] > 0).to(torch.int8),
+                                                             self.num_blocks, self.block_size)
+        self.block_live[: self.num_blocks] = counts_now
+        # Emptied this step: a block that held a victim (so it was live before) and holds nothing now.
+        vslot = slot_lists.kv_indices[:nnz].to(torch.int64)
+        touched = torch.zeros(self.num_blocks + 1, dtype=torch.bool, device=self.device)
+        touched.index_fill_(0, torch.where(kept, vslot // self.block_size, self.num_blocks), True)
+        emptied = touched[: self.num_blocks] & (self.block_live[: self.num_blocks] == 0)
+        bdest = torch.cumsum(emptied, 0) - 1
+        ids = torch.arange(self.num_blocks, dtype=torch.int32, device=self.device)
+        rec.scatter_(0, torch.where(emptied & (bdest < ring.block_capacity), ring.blocks_offset + bdest, ring.trash), ids)
+        nv, ne = kept.sum(), emptied.sum()
+        header = torch.stack([nv, mask.sum() - nv, torch.clamp(ne, max=ring.block_capacity),
+                              torch.clamp(ne - ring.block_capacity, min=0)])
+        ring.header.copy_(header)
+
+    def _generations(self, reqs) -> np.ndarray:
+        return self.table.registry.generations_of(reqs)
+
+    # ------------------------------------------------------------------ host side
+    def drain(self) -> list[AppliedDecision]:
+        """Apply every record whose copy completed (never waits); returns the applied decisions.
+
+        One ``evict_flat`` per record, O(victims). A request that finished or
+        was re-registered since the decision is skipped (its blocks are gone
+        or its tokens are new). At the end, with nothing in flight, the ring
+        grows if a step wanted more victims than a record holds.
+        """
+        applied = []
+        for rec in self.ring.ready():
+            applied.extend(self._apply_record(rec))
+        if not self.ring.in_flight:
+            self.ring.grow()
+        return applied
+
+    def drain_all(self) -> list[AppliedDecision]:
+        """:meth:`drain`, waiting for every copy in flight (end of a run, tests): syncs."""
+        applied = []
+        for rec in self.ring.drain_all():
+            applied.extend(self._apply_record(rec))
+        self.ring.grow()
+        return applied
+
+    def _apply_record(self, rec) -> list[AppliedDecision]:
+        meta = rec.meta
+        counts = rec.counts.astype(np.int64)
+        self.num_deferred += rec.deferred
+        if not counts.any():
+            return []
+        current = self.table.registry.generations_of(meta.reqs)
+        keep = (current == meta.generations) & (counts > 0)
+        ends = np.cumsum(counts)
+        starts = ends - counts
+        if not keep.all():
+            idx = np.flatnonzero(keep)
+            tids = np.concatenate([rec.token_ids[starts[i]: ends[i]] for i in idx]) if idx.size else rec.token_ids[:0]
+            reqs, counts, starts = [meta.reqs[i] for i in idx], counts[idx], None
+        else:
+            idx, tids, reqs = np.arange(len(counts)), rec.token_ids, meta.reqs
+        if not reqs:
+            return []
+        self.table.evict_flat(reqs, tids, counts)
+        self.num_applied += int(counts.sum())
+        if debug_checks_enabled() and rec.emptied_overflow == 0 and meta.step == self.steps - 1:
+            self._check_emptied(rec)  # only one step late: later appends may have refilled a kept tail block
+        off = np.concatenate([[0], np.cumsum(counts)])
+        return [AppliedDecision(r, int(meta.seq_lens[i]), tids[off[k]: off[k + 1]].astype(np.int64), meta.step,
+                                self.steps) for k, (i, r) in enumerate(zip(idx.tolist(), reqs))]
+
+    def _check_emptied(self, rec) -> None:
+        """Debug: every block the device saw emptied is free on the host or a request's kept tail block."""
+        emptied = rec.emptied_blocks.astype(np.int64)
+        if emptied.size == 0:
+            return
+        led = self.table.ledger
+        held = led.live[emptied] > 0
+        if held.any():
+            raise InvariantViolation(f"decision loop: blocks {emptied[held][:8].tolist()} emptied on the device "
+                                     "hold live tokens on the host")

@@ -1,0 +1,204 @@
+"""The device decision loop (vtoken.decision_loop) against the host numpy path, exactly, through real tables.
+
+Two token tables run the same workload side by side: table A is driven by
+:class:`DecisionLoop` (device state, device kills, victims applied one step
+late through the ring), table B by the numpy policy per request (the oracle,
+applied at once). Every step both see the same key masses. Checked:
+
+* after A's drain, A and B hold exactly the same live tokens (ids and slots);
+* right after ``decide``, A's device mirror already has exactly B's alive bits
+  (the kill is on the device at once; only the host is a step late);
+* the device's per-block live counts equal ``block_live_counts`` recomputed
+  from the host ledger's union rule, and every block the device reports
+  emptied is free on the host or a kept tail block;
+* ring overflow defers victims (never loses one) and grows the ring.
+"""
+import numpy as np
+import pytest
+import torch
+
+from vtoken import policies as P
+from vtoken.buffers import DeviceMirror, SlotListBuffers
+from vtoken.decision_loop import DecisionLoop
+from vtoken.errors import InvalidArgumentError
+from vtoken.ledger import BlockLedger
+from vtoken.pool import BlockPool
+from vtoken.table import TokenTable
+
+torch.set_num_threads(1)
+
+S, NB = 4, 512
+
+CONFIGS = [
+    ("streamingllm", {"sink": 2, "window": 4, "budget": None}),
+    ("h2o", {"budget": 0.5, "window": 3, "sink": 1}),
+    ("h2o", {"budget": 9, "window": 2}),
+    ("tova", {"budget": 0.6, "window": 2}),
+    ("scissorhands", {"budget": 0.5, "window": 2, "history": 4}),
+    ("snapkv", {"budget": 10, "window": 3}),
+    ("random", {"budget": 0.5, "window": 2, "seed": 7}),
+]
+
+
+def _masses(rng, n, coarse):
+    step = 1 / 8 if coarse else 2.0 ** -12  # exact float64 sums in any order (see test_device_policies)
+    return (rng.integers(0, int(1 / step), size=n) * step).astype(np.float32)
+
+
+class Pair:
+    """Table A (device loop) and table B (numpy oracle) under one workload."""
+
+    def __init__(self, policy, num_reqs, rng, *, victim_capacity=4096):
+        self.policy, self.rng = policy, rng
+        self.a = TokenTable(BlockLedger(BlockPool(NB), block_size=S))
+        self.b = TokenTable(BlockLedger(BlockPool(NB), block_size=S))
+        self.mirror = DeviceMirror(self.a, "cpu", initial_tokens=64, min_slack=4)
+        self.bufs = SlotListBuffers(max_reqs=num_reqs, nnz_max=NB * S, max_tokens=4096)
+        self.loop = DecisionLoop(policy, self.mirror, num_blocks=NB, block_size=S, max_reqs=num_reqs,
+                                 victim_capacity=victim_capacity)
+        self.accs = {r: policy.make_accumulator() for r in range(num_reqs)}
+        for r in range(num_reqs):
+            self.a.add_request(r)
+            self.b.add_request(r)
+
+    def step(self, order, new, coarse):
+        self.loop.drain()
+        self.check_same_live(order)
+        counts = np.array([new[r] for r in order])
+        assert self.a.sync_new_tokens_batch(order, counts) is not None
+        assert self.b.sync_new_tokens_batch(order, counts) is not None
+        self.mirror.build(self.bufs, order, counts)
+        nnz = int(self.bufs.kv_indptr_host[len(order)])
+        indptr = self.bufs.kv_indptr[: len(order) + 1].numpy()
+        votes = self.policy.score_source == "window"
+        window_step = votes and self.loop.steps == 0
+        mass = _masses(self.rng, nnz, coarse)
+        kv_pos = self.bufs.kv_pos[:nnz].numpy().astype(np.int64)
+        if self.policy.score_source == "exact":
+            mp = np.repeat(self.bufs.mirror_starts[: len(order)].numpy(), np.diff(indptr)) + kv_pos
+            self.loop.token_mass[torch.from_numpy(mp)] += torch.from_numpy(mass)
+        ws = None
+        if window_step:
+            ws = torch.zeros(self.bufs.nnz_max, 2)
+            ws[:nnz, 0] = torch.from_numpy(mass)
+            ws[:nnz, 1] = torch.from_numpy(mass[::-1].copy())
+        seq_lens = np.array([self.b.num_tokens(r) for r in order])
+        self.loop.decide(order, self.bufs, seq_lens=seq_lens, num_new=np.ones(len(order)) if votes else counts,
+                         window_scores=ws)
+        evicted = 0
+        for i, r in enumerate(order):
+            ids = self.b.live_ids(r)
+            assert np.array_equal(ids, kv_pos[indptr[i]: indptr[i + 1]])
+            if self.accs[r] is not None:
+                self.accs[r].update(ids, mass[indptr[i]: indptr[i + 1]])
+            if votes and not window_step:
+                continue
+            w = ws[indptr[i]: indptr[i + 1]].numpy() if window_step else None
+            view = self.policy.view(r, int(seq_lens[i]), ids, seq_len=int(seq_lens[i]),
+                                    num_new=1 if votes else int(counts[i]), scores=self.accs[r], window_scores=w)
+            victims = self.policy.select_victims(view)
+            if len(victims):
+                self.b.evict(r, victims)
+                evicted += len(victims)
+        self.check_device_alive(order)
+        self.check_block_counts()
+        return evicted
+
+    def check_same_live(self, order):
+        for r in range(len(self.accs)):
+            assert np.array_equal(self.a.live_ids(r), self.b.live_ids(r)), r
+        assert self.a.ledger.num_allocated == self.b.ledger.num_allocated
+
+    def check_device_alive(self, order):
+        for r in order:
+            _, alive = self.mirror.host_copy(r)
+            assert np.array_equal(np.flatnonzero(alive), self.b.live_ids(r)), r
+
+    def check_block_counts(self):
+        # The device count of a block: distinct live slots in it over every request (the union rule).
+        expect = np.zeros(NB, np.int64)
+        for r in self.b.requests():
+            slots = np.unique(self.a.slots(r)[self.b.live_mask(r)])
+            np.add.at(expect, slots // S, 1)
+        assert self.loop.block_live[:NB].tolist() == expect.tolist()
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("name,cfg", CONFIGS, ids=[n for n, _ in CONFIGS])
+def test_device_loop_equals_the_host_path_one_step_late(name, cfg, seed):
+    rng = np.random.default_rng(seed)
+    policy = P.get(name, **cfg)
+    n = int(rng.integers(2, 6))
+    pair = Pair(policy, n, rng)
+    evicted = 0
+    for step in range(12):
+        order = [int(r) for r in rng.permutation(n)]
+        new = {r: int(rng.integers(5, 30)) if step == 0 else 1 for r in order}
+        evicted += pair.step(order, new, coarse=bool(step % 2))
+    pair.loop.drain_all()
+    pair.check_same_live(order)
+    assert evicted > 0 and pair.loop.num_applied == evicted
+    pair.a.check_invariants()
+    pair.mirror.check_against_table()
+
+
+def test_emptied_blocks_are_the_naive_frees():
+    rng = np.random.default_rng(3)
+    policy = P.get("streamingllm", sink=0, window=2, budget=None)
+    pair = Pair(policy, 2, rng)
+    pair.step([0, 1], {0: 20, 1: 9}, coarse=True)  # a prefill protects its own tokens
+    pair.loop.drain()
+    pair.a.sync_new_tokens_batch([0, 1], [1, 1])
+    pair.mirror.build(pair.bufs, [0, 1], [1, 1])
+    pair.loop.decide([0, 1], pair.bufs, seq_lens=np.array([21, 10]), num_new=np.ones(2))  # all but 2 of each go
+    rec = pair.loop.ring.drain_all()[0]
+    freed_before = pair.a.ledger.num_free
+    pair.loop._apply_record(rec)
+    assert rec.emptied_blocks.size > 0
+    assert pair.a.ledger.num_free - freed_before == rec.emptied_blocks.size  # none is a tail here
+    assert (pair.a.ledger.live[rec.emptied_blocks] == 0).all()
+
+
+def test_ring_overflow_defers_victims_and_grows():
+    rng = np.random.default_rng(4)
+    policy = P.get("streamingllm", sink=1, window=2, budget=None)
+    pair = Pair(policy, 3, rng, victim_capacity=5)
+    pair.loop.drain()
+    for r in range(3):
+        pair.a.sync_new_tokens(r, 12)
+    pair.mirror.build(pair.bufs, [0, 1, 2], [12, 12, 12])
+    pair.loop.decide([0, 1, 2], pair.bufs, seq_lens=np.full(3, 12), num_new=np.ones(3))  # 9 victims each
+    applied = pair.loop.drain()
+    assert sum(len(d.token_ids) for d in applied) == 5  # the record's capacity
+    assert pair.loop.num_deferred == 3 * 9 - 5 and pair.loop.ring.victim_capacity >= 27
+    # the deferred victims are still alive on both sides, and the next step takes them
+    pair.mirror.build(pair.bufs, [0, 1, 2], [0, 0, 0])
+    pair.loop.decide([0, 1, 2], pair.bufs, seq_lens=np.full(3, 12), num_new=np.zeros(3))
+    pair.loop.drain()
+    assert [pair.a.live_count(r) for r in range(3)] == [3, 3, 3]
+    pair.mirror.check_against_table()
+
+
+def test_records_of_finished_or_reregistered_requests_are_skipped():
+    rng = np.random.default_rng(5)
+    pair = Pair(P.get("streamingllm", sink=0, window=2, budget=None), 2, rng)
+    pair.a.sync_new_tokens_batch([0, 1], [6, 6])
+    pair.mirror.build(pair.bufs, [0, 1], [6, 6])
+    pair.loop.decide([0, 1], pair.bufs, seq_lens=np.full(2, 6), num_new=np.ones(2))
+    pair.a.finish(0)
+    pair.a.add_request(0)  # same id, a new registration
+    applied = pair.loop.drain()
+    assert [d.request_id for d in applied] == [1] and pair.a.live_count(0) == 0
+    pair.a.check_invariants()
+
+
+def test_decide_rejects_a_batch_other_than_the_built_one():
+    rng = np.random.default_rng(6)
+    pair = Pair(P.get("h2o", budget=4, window=1), 2, rng)
+    pair.a.sync_new_tokens_batch([0, 1], [3, 3])
+    pair.mirror.build(pair.bufs, [0, 1], [3, 3])
+    with pytest.raises(InvalidArgumentError, match="reqs"):
+        pair.loop.decide([0], pair.bufs, seq_lens=[3], num_new=[3])
+    with pytest.raises(InvalidArgumentError, match="seq_lens"):
+        pair.loop.decide([0, 1], pair.bufs, seq_lens=[3], num_new=[3, 3])
+    assert pair.loop.steps == 0 and pair.loop.ring.in_flight == 0
