@@ -288,9 +288,10 @@ def test_padded_graph_batches_match_unpadded_on_cpu(monkeypatch):
     plain_r = _runner(model, max_num_reqs=8)
     replays = []
 
-    def fake_replay(batch):
+    def fake_replay(batch, score_out=None):
         replays.append(batch)
-        return padded_r.model(padded_r._step_inputs(batch, batch, decode=True), padded_r.kv_caches, padded_r.layout)
+        return padded_r.model(padded_r._step_inputs(batch, batch, decode=True), padded_r.kv_caches, padded_r.layout,
+                              score_out=score_out)
 
     padded_r.use_graph = True
     monkeypatch.setattr(padded_r, "_replay", fake_replay)
@@ -352,4 +353,4 @@ def test_cuda_graph_decode_matches_eager(dtype):
         assert results[0].graph and not results[1].graph
         torch.testing.assert_close(results[0].logits, results[1].logits, atol=atol, rtol=0)
     assert graph_r.num_graph_replays == 10 and eager_r.num_graph_replays == 0
-    assert sorted(graph_r._graphs) == [2, 4]
+    assert sorted(b for b, _ in graph_r._graphs) == [2, 4]

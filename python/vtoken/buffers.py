@@ -239,6 +239,7 @@ class DeviceMirror:
         self.deltas = DeltaShipper(self.device)
         self.relayouts = 0
         self._layout_listeners: list = []  # called with (source, new_size) when positions move or the arena grows
+        self._kill_sources: list = []  # weak refs to device-side deciders (see add_kill_source)
         self._reader = None
         if table is not None:
             self._reader = table.journal.subscribe()
@@ -297,6 +298,22 @@ class DeviceMirror:
         beside the mirror (e.g. eviction-policy scores) follows with one gather.
         """
         self._layout_listeners.append(listener)
+
+    def add_kill_source(self, source) -> None:
+        """Register an object that kills on the device (:meth:`kill_on_device`) ahead of the table.
+
+        ``source.pending_victims()`` -> {request: token ids} not yet applied on
+        the host; :meth:`check_against_table` expects exactly those bits cleared.
+        """
+        self._kill_sources.append(weakref.ref(source))
+
+    def _pending_kills(self) -> dict:
+        pending: dict = {}
+        for ref in self._kill_sources:
+            src = ref()
+            for req, ids in ({} if src is None else src.pending_victims()).items():
+                pending[req] = np.concatenate([pending.get(req, ids[:0]), ids])
+        return pending
 
     def _notify_layout(self, source: torch.Tensor) -> None:
         for listener in self._layout_listeners:
@@ -520,11 +537,16 @@ class DeviceMirror:
         slots = self.slots.cpu().numpy()
         alive = self.alive.cpu().numpy()
         covered = np.zeros(len(alive), dtype=bool)
+        pending = self._pending_kills()
         for req, row in self._tracked.items():
             s, n = int(self._start[row]), int(self._n[row])
             if n != table.num_tokens(req) or int(self._nlive[row]) != table.live_count(req):
                 raise InvariantViolation(f"mirror: request {req!r} has {n} tokens, the table {table.num_tokens(req)}")
             mask = table.live_mask(req)
+            if int(self._nlive[row]) != int(mask.sum()):
+                raise InvariantViolation(f"mirror: request {req!r} counts {int(self._nlive[row])} live, the table {int(mask.sum())}")
+            mask = mask.copy()
+            mask[pending.get(req, np.zeros(0, np.int64))] = False  # killed on the device, applied next step
             if not np.array_equal(alive[s : s + n] != 0, mask):
                 raise InvariantViolation(f"mirror: alive bits of request {req!r} differ from the table")
             if not np.array_equal(slots[s : s + n][mask], table.slots(req)[mask]):

@@ -60,6 +60,7 @@ class StepMeta:
     reqs: list
     generations: np.ndarray
     seq_lens: np.ndarray
+    done: np.ndarray  # bool: the request finished this step (decided nothing)
 
     @property
     def num_reqs(self) -> int:
@@ -67,14 +68,25 @@ class StepMeta:
 
 
 @dataclass(frozen=True)
-class AppliedDecision:
-    """One request's victims of one step, as the host applied them."""
+class AppliedRecord:
+    """One step's decisions as the host applied them: CSR over the requests it decided for."""
 
-    request_id: object
-    seq_len: int  # the request's length when the device decided (the trace key)
-    token_ids: np.ndarray
+    reqs: list
+    seq_lens: np.ndarray  # each request's length when the device decided (the trace key)
+    counts: np.ndarray  # victims per request (0 included: a decision to keep everything)
+    token_ids: np.ndarray  # int64, CSR by request
     decided_step: int
     applied_step: int
+
+    @property
+    def num_victims(self) -> int:
+        return int(self.token_ids.size)
+
+    def decisions(self):
+        """``(request_id, seq_len, token_ids)`` per request (for victim traces)."""
+        off = np.concatenate([[0], np.cumsum(self.counts)])
+        for k, req in enumerate(self.reqs):
+            yield req, int(self.seq_lens[k]), self.token_ids[off[k]: off[k + 1]]
 
 
 class DecisionLoop:
@@ -115,12 +127,15 @@ class DecisionLoop:
         # Per-step key mass by mirror position (+1 trash); token_attention adds into it, decide() resets it.
         self.token_mass = torch.zeros(cap + 1, dtype=torch.float32, device=self.device) if self.scored else None
         mirror.add_layout_listener(self._follow_layout)
+        mirror.add_kill_source(self)  # its checks then know which device kills the host has yet to apply
         num_slots = self.num_blocks * self.block_size
         dev = dict(device=self.device)
         self._slot_ids = torch.arange(num_slots, dtype=torch.int32, **dev)
         self._refs = torch.zeros(num_slots + 1, dtype=torch.int32, **dev)  # alive holders per slot (+ trash)
         self.block_live = torch.zeros(self.num_blocks + 1, dtype=torch.int32, **dev)  # + trash
         self.waste_ratio = torch.zeros((), dtype=torch.float32, **dev)
+        self._keyed = hasattr(policy, "seed")  # Random draws from (seed, step, request, token)
+        self._seed_cache: dict = {}
         self.steps = 0
         self.num_deferred = 0
         self.num_applied = 0
@@ -133,10 +148,8 @@ class DecisionLoop:
 
     # ------------------------------------------------------------------ device side
     def _batch(self, slot_lists, n: int, seq_lens, num_new, reqs, done, window) -> DeviceBatch:
-        budget = self.policy.budget.resolve_many(seq_lens)
-        if done is not None:
-            budget = np.where(np.asarray(done, dtype=bool), _NO_BUDGET, budget)
-        seeds = np.fromiter((fold32(request_seed(r)) for r in reqs), dtype=np.int64, count=n)
+        budget = np.where(done, _NO_BUDGET, self.policy.budget.resolve_many(seq_lens))
+        seeds = self._seeds(reqs) if self._keyed else 0
         host = np.zeros((6, self.max_reqs), dtype=np.int64)
         host[0, :n], host[1, :n], host[2, :n], host[3, :n], host[4, :n] = seq_lens, num_new, budget, seq_lens, seeds
         host[5, :n] = window
@@ -165,6 +178,9 @@ class DecisionLoop:
         num_new = np.asarray(num_new, dtype=np.int64)
         if seq_lens.shape != (n,) or num_new.shape != (n,):
             raise InvalidArgumentError(f"seq_lens/num_new: expected {n} entries each, got {seq_lens.shape} and {num_new.shape}")
+        done = np.zeros(n, dtype=bool) if done is None else np.asarray(done, dtype=bool)
+        if done.shape != (n,):
+            raise InvalidArgumentError(f"done: expected {n} entries, got {done.shape}")
         window = np.ones(n, dtype=np.int64) if window_scores is not None else np.zeros(n, dtype=np.int64)
         batch = self._batch(slot_lists, n, seq_lens, num_new, reqs, done, window)
         mp = batch.mirror_pos(self.state.capacity)
@@ -176,7 +192,7 @@ class DecisionLoop:
             self.policy.record_votes_device(self.state, batch, window_scores)
         mask, _ = self.policy.select_victims_device(self.state, batch)
         self._apply(batch, slot_lists, mask, mp)
-        meta = StepMeta(self.steps, reqs, self._generations(reqs), seq_lens.copy())
+        meta = StepMeta(self.steps, reqs, self._generations(reqs), seq_lens.copy(), done)
         self.ring.ship(meta)
         self.steps += 1
 
@@ -216,11 +232,21 @@ class DecisionLoop:
                               torch.clamp(ne - ring.block_capacity, min=0)])
         ring.header.copy_(header)
 
+    def _seeds(self, reqs) -> np.ndarray:
+        """``fold32(request_seed(r))`` per request (Random's per-request key), memoized by request id."""
+        cache = self._seed_cache
+        if len(cache) > 8 * self.max_reqs:
+            cache.clear()
+        for r in reqs:
+            if r not in cache:
+                cache[r] = fold32(request_seed(r))
+        return np.fromiter((cache[r] for r in reqs), dtype=np.int64, count=len(reqs))
+
     def _generations(self, reqs) -> np.ndarray:
         return self.table.registry.generations_of(reqs)
 
     # ------------------------------------------------------------------ host side
-    def drain(self) -> list[AppliedDecision]:
+    def drain(self) -> list[AppliedRecord]:
         """Apply every record whose copy completed (never waits); returns the applied decisions.
 
         One ``evict_flat`` per record, O(victims). A request that finished or
@@ -235,7 +261,7 @@ class DecisionLoop:
             self.ring.grow()
         return applied
 
-    def drain_all(self) -> list[AppliedDecision]:
+    def drain_all(self) -> list[AppliedRecord]:
         """:meth:`drain`, waiting for every copy in flight (end of a run, tests): syncs."""
         applied = []
         for rec in self.ring.drain_all():
@@ -243,31 +269,39 @@ class DecisionLoop:
         self.ring.grow()
         return applied
 
-    def _apply_record(self, rec) -> list[AppliedDecision]:
+    def _apply_record(self, rec) -> list[AppliedRecord]:
+        """Evict a record's victims on the host (one ``evict_flat``); one decision per request it decided for."""
         meta = rec.meta
         counts = rec.counts.astype(np.int64)
         self.num_deferred += rec.deferred
-        if not counts.any():
-            return []
-        current = self.table.registry.generations_of(meta.reqs)
-        keep = (current == meta.generations) & (counts > 0)
         ends = np.cumsum(counts)
-        starts = ends - counts
-        if not keep.all():
-            idx = np.flatnonzero(keep)
-            tids = np.concatenate([rec.token_ids[starts[i]: ends[i]] for i in idx]) if idx.size else rec.token_ids[:0]
-            reqs, counts, starts = [meta.reqs[i] for i in idx], counts[idx], None
+        current = self.table.registry.generations_of(meta.reqs)
+        keep = (current == meta.generations) & ~meta.done  # finished / re-registered since: nothing to apply
+        idx = np.flatnonzero(keep)
+        if idx.size == len(counts):
+            tids, reqs = rec.token_ids, meta.reqs
         else:
-            idx, tids, reqs = np.arange(len(counts)), rec.token_ids, meta.reqs
-        if not reqs:
-            return []
-        self.table.evict_flat(reqs, tids, counts)
-        self.num_applied += int(counts.sum())
+            parts = [rec.token_ids[ends[i] - counts[i]: ends[i]] for i in idx]
+            tids = np.concatenate(parts) if parts else rec.token_ids[:0]
+            reqs, counts = [meta.reqs[i] for i in idx], counts[idx]
+        if counts.any():
+            self.table.evict_flat(reqs, tids, counts)
+            self.num_applied += int(counts.sum())
         if debug_checks_enabled() and rec.emptied_overflow == 0 and meta.step == self.steps - 1:
             self._check_emptied(rec)  # only one step late: later appends may have refilled a kept tail block
-        off = np.concatenate([[0], np.cumsum(counts)])
-        return [AppliedDecision(r, int(meta.seq_lens[i]), tids[off[k]: off[k + 1]].astype(np.int64), meta.step,
-                                self.steps) for k, (i, r) in enumerate(zip(idx.tolist(), reqs))]
+        return [AppliedRecord(reqs, meta.seq_lens[idx], counts, tids.astype(np.int64), meta.step, self.steps)]
+
+    def pending_victims(self) -> dict:
+        """{request: token ids} killed on the device and not yet applied on the host (debug checks: syncs)."""
+        pending: dict = {}
+        for rec in self.ring.peek():
+            current = self.table.registry.generations_of(rec.meta.reqs)
+            ends = np.cumsum(rec.counts.astype(np.int64))
+            for i, req in enumerate(rec.meta.reqs):
+                if current[i] == rec.meta.generations[i] and rec.counts[i]:
+                    ids = rec.token_ids[ends[i] - rec.counts[i]: ends[i]].astype(np.int64)
+                    pending[req] = np.concatenate([pending.get(req, ids[:0]), ids])
+        return pending
 
     def _check_emptied(self, rec) -> None:
         """Debug: every block the device saw emptied is free on the host or a request's kept tail block."""

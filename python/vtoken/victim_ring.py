@@ -145,19 +145,29 @@ class VictimRing:
                 rec.event.synchronize()
         return self.ready()
 
+    def peek(self) -> list[VictimRecord]:
+        """Every shipped record, decoded but left in flight (a debug check's view: syncs)."""
+        out = []
+        for rec in self._in_flight:
+            if rec.event is not None:
+                rec.event.synchronize()
+            out.append(self._decode(rec, recycle=False))
+        return out
+
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
 
-    def _decode(self, rec: ShippedRecord) -> VictimRecord:
+    def _decode(self, rec: ShippedRecord, recycle: bool = True) -> VictimRecord:
         # NOTE: the geometry is the current one: grow() only runs with nothing in flight.
         h = rec.host.numpy()
         nv, deferred, nb, b_over = (int(x) for x in h[:HEADER])
         counts = h[HEADER : HEADER + rec.meta.num_reqs].copy()
         token_ids = h[self.victims_offset : self.victims_offset + nv].copy()
         blocks = h[self.blocks_offset : self.blocks_offset + nb].copy()
-        self._spare.append(rec.host)
-        self._demand = max(self._demand, nv + deferred)
+        if recycle:
+            self._spare.append(rec.host)
+            self._demand = max(self._demand, nv + deferred)
         return VictimRecord(counts, token_ids, blocks, deferred, b_over, rec.meta)
 
     def grow(self, min_blocks: Optional[int] = None) -> bool:

@@ -199,6 +199,9 @@ class StepInputs:
         window_indices: int64 ``[W]``: rows whose queries (after RoPE) every
             layer returns in ``ModelOutput.window_queries`` (SnapKV's
             observation window); ``None`` for none.
+        mirror_starts: int64 ``[>= R]`` and kv_pos: int32 ``[nnz_max]``: where
+            each listed key's attention mass goes in the forward's ``score_out``
+            (``mirror_starts[r] + kv_pos[j]``, the key's device-mirror position).
     """
 
     input_ids: torch.Tensor
@@ -209,6 +212,8 @@ class StepInputs:
     q_indptr: Optional[torch.Tensor] = None
     logits_indices: Optional[torch.Tensor] = None
     window_indices: Optional[torch.Tensor] = None
+    mirror_starts: Optional[torch.Tensor] = None
+    kv_pos: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -298,7 +303,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, step: StepInputs, kv_cache, layout, want_scores: bool, window: list):
+    def forward(self, x, cos, sin, step: StepInputs, kv_cache, layout, attn, want_scores: bool, window: list,
+                score_out=None):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -308,10 +314,7 @@ class Attention(nn.Module):
         if step.window_indices is not None:
             window.append(q[step.window_indices])
         write_kv(kv_cache, layout, step.slot_mapping, k, v)
-        res = ops.token_attention(
-            q, kv_cache, layout, step.kv_indices, step.kv_indptr, step.q_indptr,
-            scale=self.scale, return_key_scores=want_scores,
-        )
+        res = attn.run(q, kv_cache, return_key_scores=want_scores, score_out=score_out)  # planned once per step
         o, scores = res if want_scores else (res, None)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), scores
 
@@ -335,8 +338,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, step, kv_cache, layout, want_scores, window):
-        h, scores = self.self_attn(self.input_layernorm(x), cos, sin, step, kv_cache, layout, want_scores, window)
+    def forward(self, x, cos, sin, step, kv_cache, layout, attn, want_scores, window, score_out=None):
+        h, scores = self.self_attn(self.input_layernorm(x), cos, sin, step, kv_cache, layout, attn, want_scores,
+                                   window, score_out)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), scores
 
@@ -489,7 +493,7 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, step: StepInputs, kv_caches: list[torch.Tensor], layout: KVLayout, *,
-                all_logits: bool = False, key_scores: str = "none") -> ModelOutput:
+                all_logits: bool = False, key_scores: str = "none", score_out=None) -> ModelOutput:
         """Run one step: write the new K/V, attend over the live slots, return logits.
 
         Args:
@@ -499,6 +503,10 @@ class LlamaModel(nn.Module):
             all_logits: also return the logits of every new token.
             key_scores: ``"none"``, ``"sum"`` (summed over layers) or
                 ``"per_layer"`` (both); see :class:`ModelOutput`.
+            score_out: float32 ``[mirror_size]`` or ``None``: every listed key's
+                attention mass (all layers, query heads and new queries) is
+                ADDED in place at ``step.mirror_starts[r] + step.kv_pos[j]``;
+                nothing per layer is kept (the device decision loop's input).
 
         No host sync happens here (checks are on shapes; on CUDA the index
         contents are validated only under ``VTOKEN_DEBUG_INVARIANTS=1``), so the
@@ -510,11 +518,23 @@ class LlamaModel(nn.Module):
         want = key_scores != "none"
         x = self.model.embed_tokens(step.input_ids)
         cos, sin = self.rope(step.positions, x.dtype)
-        per_layer, window = [], []
+        if score_out is not None and (step.mirror_starts is None or step.kv_pos is None):
+            raise InvalidArgumentError("score_out: expected step.mirror_starts and step.kv_pos with it, got None")
+        c = self.config
+        # One plan per step (validation, tiling, workspaces); each layer only runs it.
+        attn = ops.plan_token_attention(
+            layout, step.kv_indices, step.kv_indptr, step.q_indptr, num_q_heads=c.num_heads, dtype=x.dtype,
+            num_q_tokens=step.num_tokens, scale=c.head_dim ** -0.5, scores=want or score_out is not None,
+            mirror_starts=step.mirror_starts if score_out is not None else None,
+            kv_pos=step.kv_pos if score_out is not None else None,
+        )
+        per_layer, window, total = [], [], None
         for layer, cache in zip(self.model.layers, kv_caches):
-            x, scores = layer(x, cos, sin, step, cache, layout, want, window)
-            if want:
+            x, scores = layer(x, cos, sin, step, cache, layout, attn, want, window, score_out)
+            if key_scores == "per_layer":
                 per_layer.append(scores)
+            elif want:  # summed in place: no [layers, nnz, heads] intermediate
+                total = scores if total is None else total.add_(scores)
         x = self.model.norm(x)
         idx = step.logits_indices
         if idx is None:
@@ -527,9 +547,9 @@ class LlamaModel(nn.Module):
             out.all_logits = self.lm_head(x).float()
         if window:
             out.window_queries = torch.stack(window)
-        if want:
-            stacked = torch.stack(per_layer)
-            out.key_scores = stacked.sum(0)
-            if key_scores == "per_layer":
-                out.layer_key_scores = stacked
+        if key_scores == "per_layer":
+            out.layer_key_scores = torch.stack(per_layer)
+            out.key_scores = out.layer_key_scores.sum(0)
+        elif want:
+            out.key_scores = total
         return out

@@ -145,10 +145,11 @@ class StepResult:
         key_scores / layer_key_scores: see :class:`~vtoken.engine.model.ModelOutput`
             (rows ``kv_indptr[-1]:`` are padding).
         slot_mapping: int32 host ``[T]``: where the new tokens' K/V went.
-        window_scores: host float32 ``[n_live_r, num_kv_heads]`` per request, for
-            a prefill run with ``window > 0``: the attention the request's last
-            ``window`` new queries give each live key, summed over layers,
-            queries and each GQA group (SnapKV's votes; row order = ``token_ids``).
+        window_votes: device float32 ``[nnz_max, num_kv_heads]`` for a prefill run
+            with ``window > 0``: the attention the request's last ``window`` new
+            queries give each listed key, summed over layers, queries and each
+            GQA group (SnapKV's votes), rows as ``kv_indices`` (zero past
+            ``kv_indptr[-1]``). :attr:`window_scores` is the same per request on the host.
         graph: True when the step replayed a CUDA graph.
     """
 
@@ -159,8 +160,16 @@ class StepResult:
     key_scores: Optional[torch.Tensor] = None
     layer_key_scores: Optional[torch.Tensor] = None
     all_logits: Optional[torch.Tensor] = None
-    window_scores: Optional[list] = None
+    window_votes: Optional[torch.Tensor] = None
     graph: bool = False
+
+    @property
+    def window_scores(self) -> Optional[list]:
+        """Host float32 ``[n_live_r, num_kv_heads]`` per request: :attr:`window_votes` split (one copy)."""
+        if self.window_votes is None:
+            return None
+        votes = self.window_votes.cpu().numpy()
+        return [votes[self.kv_indptr[r]: self.kv_indptr[r + 1]] for r in range(len(self.kv_indptr) - 1)]
 
     def next_tokens(self) -> np.ndarray:
         """Greedy next token per request (int64 host array; one device->host copy)."""
@@ -225,7 +234,7 @@ class ModelRunner:
         # NOTE: a staging buffer is reused only once its copy's event completed (no host wait).
         self._staging = StagingRing(pinned=True, dtype=torch.int32, prealloc=2, capacity=self._tok.numel()) \
             if self.device.type == "cuda" else None
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[tuple, _Graph] = {}  # (padded batch, score_out address or None)
         self._graph_pool = None
         self.num_graph_replays = 0
         self.reclaimer = None  # a vtoken.reclaim.ReclamationManager, set by the scheduler (finish_request)
@@ -251,13 +260,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ steps
     def prefill(self, reqs: Sequence[Hashable], token_ids: Sequence, *, all_logits: bool = False,
-                window: int = 0) -> Optional[StepResult]:
+                window: int = 0, score_sink=None) -> Optional[StepResult]:
         """Append ``token_ids[i]`` (>= 1 tokens) to ``reqs[i]`` and run them (varlen, causal).
 
         Works for a first prompt, a prompt chunk, or a recompute after
         preemption: the tokens go after what the request already holds, at the
         next logical positions. ``window > 0`` also returns each request's
-        observation-window votes (``StepResult.window_scores``). Returns
+        observation-window votes (``StepResult.window_votes``). ``score_sink``:
+        an object whose ``token_mass`` (float32, indexed by mirror position) the
+        step's attention adds every listed key's mass into (e.g. a
+        :class:`vtoken.decision_loop.DecisionLoop`). Returns
         ``None``, with nothing changed, when the block budget cannot hold the
         new tokens.
         """
@@ -266,10 +278,12 @@ class ModelRunner:
         if len(token_ids) != len(reqs):
             raise InvalidArgumentError(f"token_ids: expected {len(reqs)} arrays (one per request), got {len(token_ids)}")
         toks = [as_index_array(f"token_ids[{i}]", t, allow_empty=False) for i, t in enumerate(token_ids)]
-        return self._step(reqs, toks, decode=False, all_logits=all_logits, window=window)
+        return self._step(reqs, toks, decode=False, all_logits=all_logits, window=window, score_sink=score_sink)
 
-    def decode(self, reqs: Sequence[Hashable], token_ids) -> Optional[StepResult]:
+    def decode(self, reqs: Sequence[Hashable], token_ids, *, score_sink=None) -> Optional[StepResult]:
         """Append one token per request and run a decode step (CUDA graph on GPU).
+
+        ``score_sink``: as :meth:`prefill`.
 
         Returns ``None``, with nothing changed, when the block budget cannot
         hold the new tokens.
@@ -278,10 +292,11 @@ class ModelRunner:
         ids = as_index_array("token_ids", token_ids)
         if len(ids) != len(reqs):
             raise InvalidArgumentError(f"token_ids: expected {len(reqs)} tokens (one per request), got {len(ids)}")
-        return self._step(reqs, [ids[i : i + 1] for i in range(len(ids))], decode=True, all_logits=False)
+        return self._step(reqs, [ids[i : i + 1] for i in range(len(ids))], decode=True, all_logits=False,
+                          score_sink=score_sink)
 
-    def _step(self, reqs: list, toks: list, *, decode: bool, all_logits: bool, window: int = 0
-              ) -> Optional[StepResult]:
+    def _step(self, reqs: list, toks: list, *, decode: bool, all_logits: bool, window: int = 0,
+              score_sink=None) -> Optional[StepResult]:
         cfg, table = self.config, self.table
         nreq = len(reqs)
         if nreq == 0:
@@ -324,8 +339,10 @@ class ModelRunner:
         self.mirror.build(self.slot_lists, reqs, counts)  # kv_indices, kv_indptr, slot_mapping (PAD tails)
         kv_indptr = self.slot_lists.kv_indptr_host[: nreq + 1].copy()
         self._stage_tokens(ids, positions, q_indptr, padded=padded)
+        # read after build: a mirror re-layout in build gives the sink a new buffer
+        score_out = score_sink.token_mass if score_sink is not None else None
         if graph:
-            out = self._replay(padded)
+            out = self._replay(padded, score_out)
             self.num_graph_replays += 1
         else:
             step = self._step_inputs(nreq, total, decode)
@@ -334,20 +351,26 @@ class ModelRunner:
                 rows = np.repeat(q_indptr[1:] - n_win, n_win) + np.arange(int(n_win.sum())) - np.repeat(
                     np.cumsum(n_win) - n_win, n_win)
                 step.window_indices = torch.from_numpy(rows).to(self.device)
-            out = self.model(step, self.kv_caches, self.layout, all_logits=all_logits, key_scores=cfg.key_scores)
+            out = self.model(step, self.kv_caches, self.layout, all_logits=all_logits, key_scores=cfg.key_scores,
+                             score_out=score_out)
         result = StepResult(
             logits=out.logits[:nreq], kv_indptr=kv_indptr, slot_mapping=slot_mapping, token_ids=token_ids,
             key_scores=out.key_scores, layer_key_scores=out.layer_key_scores, all_logits=out.all_logits,
             graph=graph,
         )
         if window:
-            result.window_scores = self._window_scores(reqs, out.window_queries, n_win, positions[rows])
+            result.window_votes = self._window_votes(reqs, out.window_queries, n_win, positions[rows])
         for h in self.hooks:
             h.post_forward(self, result)
         return result
 
-    def _window_scores(self, reqs, queries: torch.Tensor, n_win: np.ndarray, q_pos: np.ndarray) -> list:
-        """Per request: window queries vs its live keys, every layer, summed (host float32)."""
+    def _window_votes(self, reqs, queries: torch.Tensor, n_win: np.ndarray, q_pos: np.ndarray) -> torch.Tensor:
+        """Window queries vs each request's live keys, every layer, summed: packed like kv_indices (device).
+
+        NOTE: the keys come from the host table's live slots, in the slot lists'
+        order; a prefill's requests have no victims pending on the device (the
+        engine admits them fresh), so both list the same keys.
+        """
         from vtoken.policies.scores import window_key_scores
 
         S = self.config.block_size
@@ -362,9 +385,13 @@ class ModelRunner:
                 keys = view[slots // S, slots % S, 0]  # [n_live, Hkv, D]
                 s = window_key_scores(queries[layer, lo:hi], keys, key_ids=key_ids, query_ids=q_pos[lo:hi])
                 total = s if total is None else total + s
-            out.append(total.cpu().numpy())
+            out.append(total)
             lo = hi
-        return out
+        votes = torch.zeros(self.slot_lists.nnz_max, self.model.config.num_kv_heads, dtype=torch.float32,
+                            device=self.device)
+        packed = torch.cat(out)
+        votes[: packed.shape[0]] = packed
+        return votes
 
     # -------------------------------------------------------------- buffers
     def _stage_tokens(self, ids, positions, q_indptr, *, padded: int) -> None:
@@ -398,13 +425,18 @@ class ModelRunner:
             input_ids=self.input_ids[:total], positions=self.positions[:total],
             slot_mapping=sl.slot_mapping[:total], kv_indices=sl.kv_indices,
             kv_indptr=sl.kv_indptr[: nreq + 1], q_indptr=None if decode else self.q_indptr[: nreq + 1],
+            mirror_starts=sl.mirror_starts, kv_pos=sl.kv_pos,
         )
 
     # ----------------------------------------------------------- CUDA graphs
-    def _replay(self, batch: int) -> ModelOutput:
-        g = self._graphs.get(batch)
+    def _replay(self, batch: int, score_out=None) -> ModelOutput:
+        # NOTE: a graph bakes in score_out's address; a re-laid-out mirror's new buffer gets its own capture.
+        key = (batch, None if score_out is None else score_out.data_ptr())
+        g = self._graphs.get(key)
         if g is None:
-            g = self._capture(batch)
+            for stale in [k for k in self._graphs if k[1] not in (None, key[1])]:
+                del self._graphs[stale]  # captured over a score buffer that no longer exists
+            g = self._capture(batch, score_out)
         g.graph.replay()
         return g.output
 
@@ -415,10 +447,10 @@ class ModelRunner:
         for b in batch_sizes or self.config.graph_batch_sizes:
             if b not in self.config.graph_batch_sizes:
                 raise InvalidArgumentError(f"batch_sizes: expected sizes from {self.config.graph_batch_sizes}, got {b}")
-            if b not in self._graphs:
+            if (b, None) not in self._graphs:
                 self._capture(b)
 
-    def _capture(self, batch: int) -> _Graph:
+    def _capture(self, batch: int, score_out=None) -> _Graph:
         """Capture one decode step at padded batch size ``batch`` over the fixed buffers.
 
         The buffers' CURRENT contents are restored after warmup and capture, so
@@ -437,17 +469,17 @@ class ModelRunner:
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile kernels / allocate workspaces outside the capture
-                self.model(step, self.kv_caches, self.layout, key_scores=ks)
+            for _ in range(2):  # compile kernels / allocate workspaces outside the capture (no key listed:
+                self.model(step, self.kv_caches, self.layout, key_scores=ks, score_out=score_out)  # adds nothing)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # NOTE: no host sync may happen in here; the kernels' debug content checks skip capture.
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            output = self.model(step, self.kv_caches, self.layout, key_scores=ks)
+            output = self.model(step, self.kv_caches, self.layout, key_scores=ks, score_out=score_out)
         for b, v in zip(fixed, saved):
             b.copy_(v)
         g = _Graph(graph, output)
-        self._graphs[batch] = g
+        self._graphs[(batch, None if score_out is None else score_out.data_ptr())] = g
         return g

@@ -18,8 +18,15 @@ One :class:`Engine` step is ONE forward (docs/architecture.md §6, §7):
    back to the front of the queue with every token it has (prompt + output) as
    its new prompt; the decode retries without it.
 3. **Sampling and eviction.** Greedy tokens. In ``naive`` and ``vtoken`` modes
-   the policy then sees each unfinished request (its live ids, exact key
-   scores or SnapKV's window votes) and its victims are evicted.
+   the policy then decides for each unfinished request. With
+   ``decision="device"`` (the default) a :class:`~vtoken.decision_loop.DecisionLoop`
+   decides for the whole batch on the device (the attention added every key's
+   mass into its per-token buffer; SnapKV's window votes stay on the device),
+   kills the victims in the device mirror at once and ships them to the host,
+   which applies them at the START of the next step with one ``evict_flat``
+   (one step late: the host never waits on the device). With
+   ``decision="host"`` (the numpy baseline and oracle) each request's scores
+   come back to the host and the numpy policy decides per request.
 4. **Reclamation** (``vtoken`` only does anything): plan, one copy launch,
    commit; finished requests are released first.
 
@@ -28,6 +35,12 @@ request's own step, so a trace recorded in one mode replays in another even
 if admission interleaves requests differently. Use ``record_trace=True``
 (``Engine.trace``) and replay with ``policy=ReplayPolicy(trace)``: the
 victims, and therefore the greedy outputs, are then identical across modes.
+On the device path a decision is recorded when the host applies it, one
+step after it was made, still keyed by the deciding step's ``seq_len``
+(the trace's meta says ``"host_apply_delay": 1``); the device already kept
+the victims out of the very next attention, exactly as the host path does,
+so a device-recorded trace replays token-identically on either path. A
+replay always decides on the host.
 
 Example (CPU, tiny random model, vtoken mode with StreamingLLM)::
 
@@ -53,6 +66,7 @@ import numpy as np
 
 from vtoken import cdiv
 from vtoken.engine.model import LlamaModel
+from vtoken.decision_loop import DecisionLoop
 from vtoken.engine.runner import ModelRunner, RunnerConfig, StepResult
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int, is_int
 from vtoken.policies import EvictionPolicy, ReplayPolicy, TraceRecorder, accumulate_batch
@@ -81,6 +95,9 @@ class EngineConfig:
         cuda_graph: decode CUDA graphs (``None``: on iff the model is on CUDA).
         eos_token_id: stop a request at this token (``None``: only at
             ``max_new_tokens``, what the paired experiments use).
+        decision: ``"device"`` (a :class:`~vtoken.decision_loop.DecisionLoop`;
+            no per-token host work) or ``"host"`` (numpy per request, the
+            baseline). A :class:`ReplayPolicy` always decides on the host.
     """
 
     mode: str = "vtoken"
@@ -94,8 +111,11 @@ class EngineConfig:
     reclaim: Any = None
     cuda_graph: Optional[bool] = None
     eos_token_id: Optional[int] = None
+    decision: str = "device"
 
     def __post_init__(self):
+        if self.decision not in ("device", "host"):
+            raise InvalidArgumentError(f"decision: expected 'device' or 'host', got {self.decision!r}")
         if self.mode not in MODES:
             raise InvalidArgumentError(f"mode: expected one of {MODES}, got {self.mode!r}")
         if self.reclaim is None:
@@ -188,12 +208,20 @@ class Engine:
         source = getattr(self.policy, "score_source", "none")
         self._window = int(getattr(getattr(self.policy, "policy", self.policy), "window", 0)) \
             if source == "window" else 0
+        decider = self.trace.policy if self.trace is not None else self.policy
+        on_device = config.decision == "device" and isinstance(decider, EvictionPolicy)
         self.runner = ModelRunner(model, RunnerConfig(
             num_blocks=config.num_blocks, block_size=config.block_size, layout=config.layout,
             max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_tokens,
-            key_scores="sum" if source == "exact" else "none", cuda_graph=config.cuda_graph,
+            key_scores="sum" if source == "exact" and not on_device else "none", cuda_graph=config.cuda_graph,
         ))
         self.table = self.runner.table
+        self.decisions = DecisionLoop(decider, self.runner.mirror, num_blocks=config.num_blocks,
+                                      block_size=config.block_size, max_reqs=config.max_num_reqs) \
+            if on_device else None
+        self._score_sink = self.decisions if on_device and source == "exact" else None
+        if self.trace is not None and on_device:
+            self.trace.meta["host_apply_delay"] = 1
         self.reclaimer = ReclamationManager(
             self.table, config.reclaim, kv_caches=self.runner.kv_caches, layout=self.runner.layout,
             mirror=self.runner.mirror, device=self.runner.device,
@@ -254,6 +282,7 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one engine step (one forward); returns the requests that finished in it."""
         t0 = time.perf_counter()
+        applied = self._apply_device_victims()
         budget = self.reclaimer.admission_budget()
         admitted = [] if budget.backpressure else self._admit(budget.free_blocks)
         preempted = 0
@@ -263,7 +292,7 @@ class Engine:
                 self.runner.add_request(r.request_id)
             self.reclaimer.before_forward()
             res = self.runner.prefill([r.request_id for r in admitted], [r._pending for r in admitted],
-                                      window=self._window)
+                                      window=self._window, score_sink=self._score_sink)
             if res is None:  # the budget said they fit: only foreign allocations can get here
                 for r in reversed(admitted):
                     self.runner.finish(r.request_id)
@@ -277,7 +306,8 @@ class Engine:
             res = None
             while batch:
                 self.reclaimer.before_forward()
-                res = self.runner.decode([r.request_id for r in batch], [r.output[-1] for r in batch])
+                res = self.runner.decode([r.request_id for r in batch], [r.output[-1] for r in batch],
+                                         score_sink=self._score_sink)
                 if res is not None:
                     break
                 victim = batch.pop()  # the most recently admitted
@@ -294,7 +324,7 @@ class Engine:
         self.peak_running = max(self.peak_running, len(self.running))
         self.stats.append(StepStats(
             step=self.step_count, kind=kind, num_reqs=len(batch), num_tokens=int(sum(new_counts)) if batch else 0,
-            preempted=preempted, evicted=evicted, allocated_blocks=led.num_allocated,
+            preempted=preempted, evicted=evicted + applied, allocated_blocks=led.num_allocated,
             live_tokens=int(led.total_live), free_blocks=led.num_free, backpressure=budget.backpressure,
             seconds=time.perf_counter() - t0,
         ))
@@ -313,7 +343,8 @@ class Engine:
             self.waiting.popleft()
             free_blocks -= need
             tokens += n
-            req.accumulator = self.policy.make_accumulator() if self.policy is not None else None
+            req.accumulator = self.policy.make_accumulator() if self.policy is not None and self.decisions is None \
+                else None  # the device loop keeps its scores on the device
             admitted.append(req)
         return admitted
 
@@ -341,7 +372,9 @@ class Engine:
             if len(r.output) >= r.max_new_tokens or (eos is not None and r.output[-1] == eos):
                 done.append(r)
         evicted = 0
-        if self.policy is not None:
+        if self.decisions is not None:
+            self._decide_on_device(batch, res, new_counts, {id(r) for r in done})
+        elif self.policy is not None:
             evicted = self._evict(batch, res, new_counts, {id(r) for r in done})
         for r in done:
             r.retained_blocks = table.held_blocks(r.request_id)
@@ -351,6 +384,27 @@ class Engine:
             self.running.remove(r)
             self.finished.append(r)
         return done, evicted
+
+    def _decide_on_device(self, batch: list[Request], res: StepResult, new_counts: list, done: set) -> None:
+        """The whole batch's decisions on the device (no host sync); the host applies them next step."""
+        window = res.window_votes
+        seq_lens = np.fromiter((self.table.num_tokens(r.request_id) for r in batch), dtype=np.int64, count=len(batch))
+        # NOTE: SnapKV's one decision at the end of prefill protects its window, not the new tokens (num_new=1).
+        num_new = np.ones(len(batch), dtype=np.int64) if window is not None else np.asarray(new_counts, dtype=np.int64)
+        self.decisions.decide([r.request_id for r in batch], self.runner.slot_lists, seq_lens=seq_lens,
+                              num_new=num_new, done=np.array([id(r) in done for r in batch], dtype=bool),
+                              window_scores=window)
+
+    def _apply_device_victims(self) -> int:
+        """Apply the device's decisions whose copy completed (one step late); returns the victims applied."""
+        if self.decisions is None:
+            return 0
+        applied = self.decisions.drain()
+        if self.trace is not None:
+            for rec in applied:
+                for rid, seq_len, ids in rec.decisions():
+                    self.trace.record(seq_len, rid, ids)
+        return sum(rec.num_victims for rec in applied)
 
     def _evict(self, batch: list[Request], res: StepResult, new_counts: list, done: set) -> int:
         if res.key_scores is not None:

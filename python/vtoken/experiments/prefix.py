@@ -133,7 +133,7 @@ class _SharedPrefixRun:
         groups = cfg.requests // degree
         ecfg = dict(mode=mode, num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_num_reqs=cfg.requests,
                     max_num_tokens=max(groups * cfg.prefix_len, cfg.requests * cfg.suffix_len),
-                    reclaim=dict(EAGER_RECLAIM))
+                    reclaim=dict(EAGER_RECLAIM), decision="host")  # stepped by hand: decides on the host
         if trace is None:
             self.eng = Engine(model, EngineConfig(policy=cfg.policy, policy_config=policy_config(
                 cfg.policy, cfg.evict_ratio, cfg.window), **ecfg), record_trace=True)

@@ -124,6 +124,15 @@ class DeviceBatch:
                 _check(name, getattr(self, name), (torch.int64,), r, dev)
         if self.window_step is not None:
             _check("window_step", self.window_step, (torch.bool,), r, dev)
+        # NOTE: derived per-entry tensors are built once per batch: a decision reads each several
+        # times (protection, state update, priority), and every rebuild is a device launch.
+        object.__setattr__(self, "_memo", {})
+
+    def _cached(self, key, make):
+        memo = self._memo
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
 
     @property
     def device(self) -> torch.device:
@@ -147,19 +156,21 @@ class DeviceBatch:
         req = torch.searchsorted(ends, entry, right=True)
         return torch.where(entry < first, self.num_reqs, req)
 
-    @property
+    @functools.cached_property
     def valid(self) -> torch.Tensor:
         """bool [nnz_max]: the entry is a live token of a request of the batch."""
         return self.req < self.num_reqs
 
-    @property
+    @functools.cached_property
     def pos(self) -> torch.Tensor:
         return self.kv_pos.to(torch.int64)
 
     def per_entry(self, per_request: torch.Tensor, fill) -> torch.Tensor:
-        """``per_request[req[j]]`` for every entry, ``fill`` for padding (one gather, fixed shape)."""
-        head = per_request[: self.num_reqs]
-        return torch.cat([head, head.new_full((1,), fill)])[self.req]
+        """``per_request[req[j]]`` for every entry, ``fill`` for padding (one gather, fixed shape; cached)."""
+        def make():
+            head = per_request[: self.num_reqs]
+            return torch.cat([head, head.new_full((1,), fill)])[self.req]
+        return self._cached(("per_entry", id(per_request), fill), make)
 
     @property
     def live(self) -> torch.Tensor:
@@ -173,11 +184,13 @@ class DeviceBatch:
 
     def fresh(self) -> torch.Tensor:
         """bool [nnz_max]: the entry is one of the step's new tokens (its first score update)."""
-        return self.valid & (self.pos >= self.per_entry(self.seq_len, 0) - self.per_entry(self.num_new, 0))
+        return self._cached("fresh", lambda: self.valid & (
+            self.pos >= self.per_entry(self.seq_len, 0) - self.per_entry(self.num_new, 0)))
 
     def mirror_pos(self, trash: int) -> torch.Tensor:
-        """int64 [nnz_max]: each entry's mirror position; padding goes to ``trash``."""
-        return torch.where(self.valid, self.per_entry(self.mirror_starts, 0) + self.pos, trash)
+        """int64 [nnz_max]: each entry's mirror position; padding goes to ``trash`` (cached)."""
+        return self._cached(("mirror_pos", trash),
+                            lambda: torch.where(self.valid, self.per_entry(self.mirror_starts, 0) + self.pos, trash))
 
 
 # --------------------------------------------------------------------------- per-token state

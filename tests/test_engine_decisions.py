@@ -1,0 +1,113 @@
+"""The engine's eviction decisions on the device loop (decision="device", the default) and on the host.
+
+* naive == vtoken, token for token, for every policy, with BOTH runs deciding
+  on the device (no replay): the device loop's decisions depend only on what
+  attention saw, which relocation leaves bit-identical.
+* device == host: for the policies whose inputs are the same bits on both
+  paths (no scores, or SnapKV's window votes), the device loop makes exactly
+  the numpy oracle's decisions, so traces and outputs are equal. For the
+  exact-score policies (h2o, tova, scissorhands) the device sums each key's
+  mass over heads and layers in the kernel, in another float order than the
+  host's per-layer rows, so a near-tie may break differently; their device
+  traces replay token-identically on the host path instead.
+* the one-step delay is in the trace: decisions are recorded when the host
+  applies them, keyed by the deciding step's seq_len, and the meta says so.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vtoken.engine.model import LlamaModel, ModelConfig
+from vtoken.engine.scheduler import Engine, EngineConfig
+from vtoken.errors import InvalidArgumentError
+from vtoken.policies import ReplayPolicy, available
+
+TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+            init_std=0.2)
+POLICY_CFG = dict(budget=0.5, window=4, sink=2)
+EAGER_RECLAIM = dict(theta_F=0.05, low_watermark=1.0, headroom_blocks=8, check_interval=1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaModel(ModelConfig(**TINY))
+
+
+def _prompts(lens, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, TINY["vocab_size"], n) for n in lens]
+
+
+def _run(model, mode, policy, decision, prompts, new_tokens=14, **kw):
+    cfg = dict(num_blocks=96, block_size=4, max_num_reqs=4, max_num_tokens=256, reclaim=EAGER_RECLAIM, mode=mode,
+               policy_config=POLICY_CFG, decision=decision)
+    cfg.update(kw)
+    eng = Engine(model, EngineConfig(**cfg), policy=policy, record_trace=not isinstance(policy, ReplayPolicy))
+    out = eng.generate(prompts, new_tokens)
+    return eng, [r.output for r in out]
+
+
+def _decisions(trace):
+    return sorted((d.request_id, d.step, d.token_ids) for d in trace.decisions)
+
+
+@pytest.mark.parametrize("policy", available())
+def test_naive_equals_vtoken_both_on_the_device_loop(model, policy, monkeypatch):
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    prompts = _prompts((20, 27, 33, 14))
+    naive, out_naive = _run(model, "naive", policy, "device", prompts)
+    vt, out_vt = _run(model, "vtoken", policy, "device", prompts)
+    assert naive.decisions is not None and vt.decisions is not None
+    assert out_naive == out_vt
+    assert _decisions(naive.trace) == _decisions(vt.trace)
+    assert sum(len(d.token_ids) for d in naive.trace.decisions) > 0
+    assert naive.trace.meta["host_apply_delay"] == 1
+    assert vt.summary()["relocated_tokens"] > 0 and naive.summary()["relocated_tokens"] == 0
+    assert vt.summary()["mean_retained_blocks"] < naive.summary()["mean_retained_blocks"]
+    for eng in (naive, vt):
+        eng.table.check_invariants()
+        assert eng.table.ledger.num_allocated == 0
+
+
+@pytest.mark.parametrize("policy", ("streamingllm", "random", "snapkv"))
+def test_device_decisions_equal_the_host_oracle_in_the_engine(model, policy, monkeypatch):
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    prompts = _prompts((20, 27, 33, 14), seed=1)
+    dev, out_dev = _run(model, "vtoken", policy, "device", prompts)
+    host, out_host = _run(model, "vtoken", policy, "host", prompts)
+    assert dev.decisions is not None and host.decisions is None
+    # The host path also records the empty decisions of a request's finishing step; the device skips them.
+    host_decisions = [d for d in _decisions(host.trace) if d[2]]
+    assert [d for d in _decisions(dev.trace) if d[2]] == host_decisions and host_decisions
+    assert out_dev == out_host
+
+
+@pytest.mark.parametrize("policy", ("h2o", "tova", "scissorhands"))
+def test_a_device_trace_replays_token_identically_on_the_host(model, policy, monkeypatch):
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    prompts = _prompts((20, 27, 33, 14), seed=2)
+    dev, out_dev = _run(model, "naive", policy, "device", prompts)
+    replay = ReplayPolicy(dev.trace, strict=False)
+    host, out_host = _run(model, "vtoken", replay, "host", prompts)
+    assert out_dev == out_host
+    assert sum(len(d.token_ids) for d in dev.trace.decisions) > 0
+
+
+def test_the_host_learns_victims_one_step_late(model, monkeypatch):
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    eng = Engine(model, EngineConfig(num_blocks=96, block_size=4, max_num_reqs=2, mode="naive",
+                                     policy="streamingllm", policy_config=dict(sink=1, window=3, budget=None)))
+    rid = eng.add_request(_prompts((12,))[0], 6)
+    eng.step()  # prefill: its own tokens are protected
+    eng.step()  # first decode: the device decides 12 + 1 - 4 = 9 victims; the host has not applied them
+    assert eng.table.live_count(rid) == 13
+    assert eng.runner.mirror.host_copy(rid)[1].sum() == 4  # the device mirror already dropped them
+    eng.step()  # the next step applies them first
+    assert eng.table.live_count(rid) == 5 and eng.stats[-1].evicted == 9
+    eng.runner.mirror.check_against_table()
+
+
+def test_decision_must_be_device_or_host():
+    with pytest.raises(InvalidArgumentError, match="decision"):
+        EngineConfig(decision="gpu")

@@ -1,0 +1,152 @@
+"""No host sync on the decode path: the CPU guard, and the GPU test under sync debug mode.
+
+CPU guard. Every way torch reads a tensor's contents back into Python is
+patched and counted: ``Tensor.item``, ``.tolist``, ``.cpu``, ``.numpy``, ``__array__``,
+``__bool__``, ``__int__``, ``__float__``, ``__index__``. On a GPU each of
+them on a device tensor is a device-to-host copy and a sync. On the CPU every
+tensor is a host tensor, so the guard is STRICTER than the GPU: it flags
+every read of any tensor, except at the sites that are not device reads:
+
+* the CPU stand-ins of device kernels (``vtoken/reference``, ``vtoken_kernels``,
+  Triton's interpreter): on a GPU they are kernel launches;
+* host-to-device staging (``ModelRunner._stage_tokens``, ``DeltaShipper``): on
+  a GPU they write pinned host buffers, which an async copy then ships;
+* ``VictimRing._decode``: the decision ring's pinned host copy, read after its
+  event completed (the one allowed device-to-host transfer);
+* ``StepResult.next_tokens``: sampling (the greedy token of each request goes
+  back to the scheduler, 8 bytes per request; vLLM's async scheduling
+  overlaps this, the embedded engine waits for it).
+
+Debug checks (``VTOKEN_DEBUG_INVARIANTS``) are off inside the guard: they
+read the device on purpose.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from vtoken.engine.model import LlamaModel, ModelConfig
+from vtoken.engine.scheduler import Engine, EngineConfig
+
+TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+            init_std=0.2)
+EAGER_RECLAIM = dict(theta_F=0.05, low_watermark=1.0, headroom_blocks=8, check_interval=1)
+
+_READS = ("item", "tolist", "cpu", "numpy", "__array__", "__bool__", "__int__", "__float__", "__index__")
+_KERNEL_STANDINS = (os.sep + os.path.join("vtoken", "reference") + os.sep, os.sep + "vtoken_kernels" + os.sep,
+                    os.sep + "triton" + os.sep)
+_ALLOWED_FUNCS = {("runner.py", "_stage_tokens"), ("buffers.py", "flush"), ("buffers.py", "to_device"),
+                  ("victim_ring.py", "_decode"), ("runner.py", "next_tokens")}
+
+
+def _allowed(frame) -> bool:
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if any(s in path for s in _KERNEL_STANDINS):
+            return True
+        if (os.path.basename(path), frame.f_code.co_name) in _ALLOWED_FUNCS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def count_device_reads():
+    """Patch the tensor read methods; yields the list of (method, caller) reads outside the allowed sites."""
+    reads: list = []
+    originals = {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def wrap(name, fn):
+        def guarded(self, *args, **kwargs):
+            caller = sys._getframe(1)
+            if not _allowed(caller):
+                reads.append((name, f"{caller.f_code.co_filename}:{caller.f_lineno} {caller.f_code.co_name}"))
+            return fn(self, *args, **kwargs)
+        return guarded
+
+    for name, fn in originals.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    try:
+        yield reads
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def test_the_guard_sees_a_host_read():
+    t = torch.arange(4)
+    with count_device_reads() as reads:
+        if t.sum() > 2:  # __bool__ on a tensor: a sync on a GPU
+            pass
+        t.tolist()
+    assert [r[0] for r in reads] == ["__bool__", "tolist"]
+
+
+@pytest.mark.parametrize("policy", ("h2o", "streamingllm", "scissorhands"))
+def test_decode_steps_with_eviction_and_relocation_read_nothing_back(policy, monkeypatch):
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    monkeypatch.setenv("VTOKEN_DEBUG_INVARIANTS", "0")
+    model = LlamaModel(ModelConfig(**TINY))
+    eng = Engine(model, EngineConfig(num_blocks=96, block_size=4, max_num_reqs=4, max_num_tokens=256,
+                                     mode="vtoken", policy=policy, reclaim=EAGER_RECLAIM,
+                                     policy_config=dict(budget=0.5, window=4, sink=2)))
+    rng = np.random.default_rng(0)
+    for n in (20, 27, 33, 14):
+        eng.add_request(rng.integers(0, 160, n), 24)
+    eng.step()  # the prefill (admission and prompt staging happen here, outside the guard)
+    with count_device_reads() as reads:
+        for _ in range(12):
+            eng.step()
+    assert reads == []
+    summary = eng.summary() if not eng.has_work() else None
+    assert sum(s.evicted for s in eng.stats) > 0  # the guarded steps did evict ...
+    assert eng.reclaimer.metrics.summary().get("moves", 0) > 0  # ... and relocate
+    assert summary is None or summary["requests"] == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ("h2o", "streamingllm"))
+def test_cuda_decode_steps_with_eviction_and_relocation_under_sync_debug_mode(policy, monkeypatch):
+    """N decode steps on CUDA (graphs, device decisions, relocation) with torch's sync debug mode set to error.
+
+    Sampling is the one exception (the embedded engine reads each step's
+    greedy tokens): ``StepResult.next_tokens`` runs with the mode lifted.
+    """
+    from vtoken.engine.runner import StepResult
+
+    monkeypatch.setenv("VTOKEN_DEBUG_INVARIANTS", "0")
+    model = LlamaModel(ModelConfig(**TINY), device="cuda")
+    eng = Engine(model, EngineConfig(num_blocks=96, block_size=4, max_num_reqs=4, max_num_tokens=256,
+                                     mode="vtoken", policy=policy, reclaim=EAGER_RECLAIM,
+                                     policy_config=dict(budget=0.5, window=4, sink=2)))
+    rng = np.random.default_rng(0)
+    for n in (20, 27, 33, 14):
+        eng.add_request(rng.integers(0, 160, n), 24)
+    for _ in range(3):  # prefill, then the first decodes capture the graphs and grow the caches
+        eng.step()
+    sample = StepResult.next_tokens
+
+    def sampled(self):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return sample(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(StepResult, "next_tokens", sampled)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(12):
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert sum(s.evicted for s in eng.stats) > 0
+    assert eng.reclaimer.metrics.summary().get("moves", 0) > 0
+    assert eng.runner.num_graph_replays > 0
