@@ -202,3 +202,32 @@ def test_decide_rejects_a_batch_other_than_the_built_one():
     with pytest.raises(InvalidArgumentError, match="seq_lens"):
         pair.loop.decide([0, 1], pair.bufs, seq_lens=[3], num_new=[3, 3])
     assert pair.loop.steps == 0 and pair.loop.ring.in_flight == 0
+
+
+class _ReplayOnCPU:
+    """A CUDA graph's CPU stand-in: 'replay' re-runs the captured call (same padded size, same buffers)."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+@pytest.mark.parametrize("name,cfg", [CONFIGS[1], CONFIGS[4], CONFIGS[6]], ids=["h2o", "scissorhands", "random"])
+def test_padded_graph_steps_equal_eager_steps(name, cfg, monkeypatch):
+    """The graph path's logic on CPU: padded batch sizes, eager first step, capture, invalidation on re-layout."""
+    rng_a, rng_b = np.random.default_rng(11), np.random.default_rng(11)
+    policy = P.get(name, **cfg)
+    eager, graphed = Pair(policy, 5, rng_a), Pair(policy, 5, rng_b)
+    loop = graphed.loop
+    monkeypatch.setattr(loop._graphs, "_capture", lambda lp, sl, size: loop._graphs._graphs.setdefault(
+        size, _ReplayOnCPU(lambda: lp._device_step(sl, size))))
+    loop.cuda_graph = True
+    relayouts = graphed.mirror.relayouts
+    for step in range(10):
+        order = [int(r) for r in rng_a.permutation(5)][: 3 + step % 3]  # 3..5 requests: padded to 4 or 8
+        rng_b.permutation(5)
+        new = {r: 12 if step == 0 else 1 for r in range(5)}
+        for pair in (eager, graphed):
+            pair.step(order if step else list(range(5)), new, coarse=True)
+        for r in range(5):
+            assert np.array_equal(eager.a.live_ids(r), graphed.a.live_ids(r))
+    assert loop._graphs.replays > 0 and graphed.mirror.relayouts > relayouts  # replays, and a re-layout dropped them

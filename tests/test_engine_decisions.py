@@ -111,3 +111,24 @@ def test_the_host_learns_victims_one_step_late(model, monkeypatch):
 def test_decision_must_be_device_or_host():
     with pytest.raises(InvalidArgumentError, match="decision"):
         EngineConfig(decision="gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ("h2o", "streamingllm", "random"))
+def test_cuda_graphed_decisions_equal_eager_decisions(policy):
+    """On CUDA: the decision loop replayed from CUDA graphs decides exactly as the eager loop."""
+    import torch
+
+    model = LlamaModel(ModelConfig(**TINY), device="cuda")
+    prompts = _prompts((20, 27, 33, 14, 9), seed=4)
+    runs = {}
+    for graphed in (False, True):
+        cfg = EngineConfig(num_blocks=96, block_size=4, max_num_reqs=8, max_num_tokens=256, reclaim=EAGER_RECLAIM,
+                           mode="vtoken", policy=policy, policy_config=POLICY_CFG)
+        eng = Engine(model, cfg, record_trace=True)
+        eng.decisions.cuda_graph = graphed
+        out = eng.generate(prompts, 16)
+        runs[graphed] = ([r.output for r in out], _decisions(eng.trace), eng.decisions._graphs.replays)
+    torch.cuda.synchronize()
+    assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
+    assert runs[True][2] > 0 and runs[False][2] == 0

@@ -328,9 +328,10 @@ class DeviceMirror:
         brings the host-side live counts up to date. Until then
         :meth:`live_count` and ``kv_indptr_host`` count those victims: an upper bound.
         Entries with ``kill`` False may hold any in-range position (duplicates
-        included): they leave the bit as it is.
+        included): they leave the bit as it is. Call :meth:`flush` first (a
+        pending older delta must not land after the kill); this method only
+        launches device work, so it can be captured in a CUDA graph.
         """
-        self.flush()  # pending host deltas land first, so a kill is never overwritten by an older append
         keep = (~kill).to(torch.int8)  # min(alive, 1) == alive; min(alive, 0) == 0
         self.alive.scatter_reduce_(0, positions, keep, "amin")
 

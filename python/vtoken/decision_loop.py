@@ -47,6 +47,7 @@ from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViola
 from vtoken.policies.base import request_seed
 from vtoken.policies.counter_hash import fold32
 from vtoken.policies.device import DeviceBatch, DevicePolicyState
+from vtoken.step_graphs import StepGraphs
 from vtoken.victim_ring import VictimRing
 
 _NO_BUDGET = np.iinfo(np.int64).max  # a request that must not evict this step (e.g. it just finished)
@@ -104,7 +105,8 @@ class DecisionLoop:
     """
 
     def __init__(self, policy, mirror, *, num_blocks: int, block_size: int, max_reqs: int, table=None,
-                 victim_capacity: Optional[int] = None, block_capacity: Optional[int] = None):
+                 victim_capacity: Optional[int] = None, block_capacity: Optional[int] = None,
+                 cuda_graph: bool = False):
         if not hasattr(policy, "select_victims_device"):
             raise InvalidTypeError(f"policy: expected an EvictionPolicy with a device path, got {type(policy).__name__}")
         self.policy = policy
@@ -121,6 +123,11 @@ class DecisionLoop:
         victim_capacity = max(8 * max_reqs, 1024) if victim_capacity is None else victim_capacity
         block_capacity = max(2 * max_reqs, 256) if block_capacity is None else block_capacity
         self.ring = VictimRing(max_reqs, victim_capacity, block_capacity, self.device)
+        if cuda_graph and self.device.type != "cuda":
+            raise InvalidArgumentError(f"cuda_graph: expected a CUDA mirror for graph capture, got device {self.device}")
+        self.cuda_graph = bool(cuda_graph)
+        self._graphs = StepGraphs(max_reqs)
+        self._args = torch.zeros(6, max_reqs, dtype=torch.int64, device=self.device)  # fixed per-request args
         cap = mirror.slots.numel()
         self.state = DevicePolicyState.for_policy(policy, cap, self.device)
         self.scored = policy.score_source == "exact"
@@ -142,22 +149,27 @@ class DecisionLoop:
 
     # ------------------------------------------------------------------ layout
     def _follow_layout(self, source: torch.Tensor, size: int) -> None:
+        self._graphs.invalidate()  # captured over the old buffers
         self.state.relayout(source)
         if self.token_mass is not None:  # reset after every decide(): all zero between steps
             self.token_mass = torch.zeros(size + 1, dtype=torch.float32, device=self.device)
 
     # ------------------------------------------------------------------ device side
-    def _batch(self, slot_lists, n: int, seq_lens, num_new, reqs, done, window) -> DeviceBatch:
+    def _stage(self, n: int, seq_lens, num_new, reqs, done, window) -> None:
+        """The step's per-request arguments into the fixed device buffer ``_args`` (one async H2D copy)."""
         budget = np.where(done, _NO_BUDGET, self.policy.budget.resolve_many(seq_lens))
         seeds = self._seeds(reqs) if self._keyed else 0
-        host = np.zeros((6, self.max_reqs), dtype=np.int64)
+        host = np.zeros((6, self.max_reqs), dtype=np.int64)  # zeros past n: padding requests evict nothing
         host[0, :n], host[1, :n], host[2, :n], host[3, :n], host[4, :n] = seq_lens, num_new, budget, seq_lens, seeds
         host[5, :n] = window
-        args = self.mirror.deltas.to_device(host.reshape(-1)).view(6, -1)  # one H2D copy
+        self._args.copy_(self.mirror.deltas.to_device(host.reshape(-1)).view(6, -1), non_blocking=True)
+
+    def _batch(self, slot_lists, num_reqs: int) -> DeviceBatch:
+        args = self._args
         return DeviceBatch(
             kv_pos=slot_lists.kv_pos, kv_indptr=slot_lists.kv_indptr, mirror_starts=slot_lists.mirror_starts,
-            seq_len=args[0], num_new=args[1], budget=args[2], num_reqs=n, step=args[3], request_seed=args[4],
-            window_step=args[5] != 0,
+            seq_len=args[0], num_new=args[1], budget=args[2], num_reqs=num_reqs, step=args[3],
+            request_seed=args[4], window_step=args[5] != 0,
         )
 
     def decide(self, reqs: Sequence, slot_lists, *, seq_lens, num_new, done=None,
@@ -181,8 +193,19 @@ class DecisionLoop:
         done = np.zeros(n, dtype=bool) if done is None else np.asarray(done, dtype=bool)
         if done.shape != (n,):
             raise InvalidArgumentError(f"done: expected {n} entries, got {done.shape}")
-        window = np.ones(n, dtype=np.int64) if window_scores is not None else np.zeros(n, dtype=np.int64)
-        batch = self._batch(slot_lists, n, seq_lens, num_new, reqs, done, window)
+        self._stage(n, seq_lens, num_new, reqs, done, np.full(n, window_scores is not None, dtype=np.int64))
+        self.mirror.flush()  # pending host deltas land first (never inside a captured graph)
+        if self.cuda_graph and window_scores is None:
+            self._graphs.run(self, slot_lists, n)
+        else:
+            self._device_step(slot_lists, n, window_scores)
+        meta = StepMeta(self.steps, reqs, self._generations(reqs), seq_lens.copy(), done)
+        self.ring.ship(meta)
+        self.steps += 1
+
+    def _device_step(self, slot_lists, num_reqs: int, window_scores=None) -> None:
+        """Everything on the device (fixed shapes, no host read): capturable in a CUDA graph."""
+        batch = self._batch(slot_lists, num_reqs)
         mp = batch.mirror_pos(self.state.capacity)
         if self.scored:
             mass = self.token_mass[mp]
@@ -192,9 +215,6 @@ class DecisionLoop:
             self.policy.record_votes_device(self.state, batch, window_scores)
         mask, _ = self.policy.select_victims_device(self.state, batch)
         self._apply(batch, slot_lists, mask, mp)
-        meta = StepMeta(self.steps, reqs, self._generations(reqs), seq_lens.copy(), done)
-        self.ring.ship(meta)
-        self.steps += 1
 
     def _apply(self, batch: DeviceBatch, slot_lists, mask: torch.Tensor, mp: torch.Tensor) -> None:
         """Trim to the record, kill in the mirror, update the block counts, write the record (device only)."""
@@ -257,8 +277,8 @@ class DecisionLoop:
         applied = []
         for rec in self.ring.ready():
             applied.extend(self._apply_record(rec))
-        if not self.ring.in_flight:
-            self.ring.grow()
+        if not self.ring.in_flight and self.ring.grow():
+            self._graphs.invalidate()  # the record moved
         return applied
 
     def drain_all(self) -> list[AppliedRecord]:
@@ -266,7 +286,8 @@ class DecisionLoop:
         applied = []
         for rec in self.ring.drain_all():
             applied.extend(self._apply_record(rec))
-        self.ring.grow()
+        if self.ring.grow():
+            self._graphs.invalidate()
         return applied
 
     def _apply_record(self, rec) -> list[AppliedRecord]:
