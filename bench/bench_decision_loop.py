@@ -62,7 +62,8 @@ from common import bench_device, on_gpu, prepare_kernel_env, print_table, write_
 
 prepare_kernel_env()
 if not on_gpu():
-    os.environ.setdefault("VTOKEN_BACKEND", "torch")  # the torch references stand in for the kernels on CPU
+    # No Triton interpreter here: the C++ CPU ops (when built) or the torch references stand in for kernels.
+    os.environ.pop("TRITON_INTERPRET", None)
 
 from bench_token_attention import kv_bytes_read  # noqa: E402
 from vtoken import policies as P  # noqa: E402
@@ -91,7 +92,9 @@ class Workload:
         num_blocks = reqs * (ctx // S + 4) + 16
         self.table = TokenTable(BlockLedger(BlockPool(num_blocks), block_size=S))
         self.num_blocks = num_blocks
-        self.mirror = DeviceMirror(self.table, device, initial_tokens=reqs * (ctx + 128), slack=0.0, min_slack=64)
+        slack = ctx if ctx < 64 else 64  # room for the benchmark's appends, without a re-layout
+        self.mirror = DeviceMirror(self.table, device, initial_tokens=reqs * (ctx + slack + 8), slack=0.0,
+                                   min_slack=slack)
         self.bufs = SlotListBuffers(max_reqs=reqs, nnz_max=reqs * (ctx + 8), max_tokens=reqs, device=device)
         for r in self.reqs:
             self.table.add_request(r)
@@ -130,12 +133,12 @@ class AtenOps(TorchDispatchMode):
         return out
 
 
-def run_loop(policy_name: str, reqs: int, ctx: int, steps: int, *, aten: bool, cuda_graph: bool = False) -> dict:
-    """``steps`` measured decode steps of the device loop (one warm-up step first).
+def run_loop(policy_name: str, reqs: int, ctx: int, steps: int, *, timing: str, cuda_graph: bool = False) -> dict:
+    """``steps`` measured decode steps of the device loop (after warm-up steps).
 
-    Returns medians of: ``drain`` wall (pure host work), ``decide`` wall, and,
-    with ``aten``, a second ``decide`` timing under :class:`AtenOps` on the
-    same step shape (its time inside aten ops, and the op count).
+    ``timing``: "plain" (``decide`` wall-clock), "aten" (``decide`` under
+    :class:`AtenOps`: time inside aten ops and the op count) or "both"
+    (alternate steps). Every mode times ``drain`` (pure host work). Returns medians.
     """
     dev = bench_device()
     w = Workload(reqs, ctx, dev)
@@ -145,7 +148,7 @@ def run_loop(policy_name: str, reqs: int, ctx: int, steps: int, *, aten: bool, c
     noise = torch.rand(loop.state.capacity + 1, generator=torch.Generator().manual_seed(1)).to(dev)
     drain_s, decide_s, kernel_s, aten_s, ops, applied = [], [], [], [], [], 0
     warm = 2 if cuda_graph else 1  # a graphed size runs eagerly once, then captures
-    rounds = steps * (2 if aten else 1) + warm - 1
+    rounds = steps * (2 if timing == "both" else 1) + warm - 1
     for i in range(rounds + 1):  # the first `warm` steps warm up
         w.append()
         if loop.token_mass is not None:
@@ -157,7 +160,7 @@ def run_loop(policy_name: str, reqs: int, ctx: int, steps: int, *, aten: bool, c
         done = loop.drain()  # host only: the last step's record, one evict_flat
         drain = time.perf_counter() - t
         applied += sum(r.num_victims for r in done)
-        counted = aten and i % 2 == 0 and i >= warm
+        counted = timing == "aten" or (timing == "both" and i % 2 == 0)
         mode = AtenOps() if counted else None
         ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if on_gpu() else None
         if ev is not None:
@@ -187,7 +190,8 @@ def run_loop(policy_name: str, reqs: int, ctx: int, steps: int, *, aten: bool, c
         raise AssertionError(f"device loop applied {applied} victims, expected one per request per step "
                              f"({(rounds + 1) * reqs})")
     med = statistics.median
-    return {"drain": med(drain_s), "decide": med(decide_s), "kernel": med(kernel_s) if kernel_s else None,
+    return {"drain": med(drain_s), "decide": med(decide_s) if decide_s else None,
+            "kernel": med(kernel_s) if kernel_s else None,
             "aten": med(aten_s) if aten_s else None, "ops": ops[0] if ops else None,
             "d2h": loop.ring.nbytes, "nnz": w.nnz}
 
@@ -196,11 +200,11 @@ PROXY_CTX = 8  # the proxy step: the same requests and code path, 8 tokens each 
 
 
 def device_loop(policy_name: str, reqs: int, ctx: int, steps: int, proxy: dict) -> dict:
-    """The device loop's per-step numbers at ``ctx`` (``proxy``: :func:`run_loop` at PROXY_CTX with aten)."""
-    m = run_loop(policy_name, reqs, ctx, steps, aten=not on_gpu())
+    """The device loop's per-step numbers at ``ctx`` (``proxy``: :func:`run_loop` at PROXY_CTX, both timings)."""
+    m = run_loop(policy_name, reqs, ctx, steps, timing="plain" if on_gpu() else "aten")
     if on_gpu():  # asynchronous launches: decide's wall is the host's share; CUDA events time the kernels
         host_decide, device = m["decide"], m["kernel"]
-        g = run_loop(policy_name, reqs, ctx, steps, aten=False, cuda_graph=True)
+        g = run_loop(policy_name, reqs, ctx, steps, timing="plain", cuda_graph=True)
         extra = {"host_us_per_step_eager": round((m["drain"] + host_decide) * 1e6, 1),
                  "device_us_per_step_eager": round(device * 1e6, 1)}
         m, host_decide, device = g, g["decide"], g["kernel"]
@@ -255,23 +259,24 @@ def main(argv=None) -> int:
     ap.add_argument("--reqs", type=int, default=256)
     ap.add_argument("--sizes", default="4096,16384,65536", help="live tokens per request, comma-separated")
     ap.add_argument("--policies", default="h2o,streamingllm")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per path (the device loop runs twice as many)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per path (default 2 on CPU, 5 on GPU)")
     ap.add_argument("--quick", action="store_true", help="small sizes (a dry run of the script)")
     ap.add_argument("--json", action="store_true", help="one JSON object per (policy, size) on stdout, nothing else")
     args = ap.parse_args(argv)
     torch.set_num_threads(1 if not on_gpu() else torch.get_num_threads())
     sizes = [int(s) for s in args.sizes.split(",")]
+    steps = args.steps if args.steps is not None else (5 if on_gpu() else 2)
     reqs = args.reqs
     if args.quick:
         sizes, reqs = [256, 1024], min(reqs, 32)
     rows = []
     for name in args.policies.split(","):
-        proxy = None if on_gpu() else run_loop(name, reqs, PROXY_CTX, max(args.steps, 5), aten=True)
+        proxy = None if on_gpu() else run_loop(name, reqs, PROXY_CTX, max(steps, 5), timing="both")
         for ctx in sizes:
             t0 = time.perf_counter()
-            d = device_loop(name, reqs, ctx, args.steps, proxy)
+            d = device_loop(name, reqs, ctx, steps, proxy)
             gc.collect()
-            b = host_path(name, reqs, ctx, args.steps)
+            b = host_path(name, reqs, ctx, steps)
             gc.collect()
             kv_on = kv_bytes_read([ctx + 1] * reqs, None, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 2, scores=True)
             kv_off = kv_bytes_read([ctx + 1] * reqs, None, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 2, scores=False)

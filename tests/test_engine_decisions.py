@@ -108,9 +108,11 @@ def test_the_host_learns_victims_one_step_late(model, monkeypatch):
     eng.runner.mirror.check_against_table()
 
 
-def test_decision_must_be_device_or_host():
+def test_decision_must_be_device_or_host(model):
     with pytest.raises(InvalidArgumentError, match="decision"):
         EngineConfig(decision="gpu")
+    with pytest.raises(InvalidArgumentError, match="cuda_graph"):  # decision graphs need a CUDA model
+        Engine(model, EngineConfig(num_blocks=32, block_size=4, mode="naive", policy="h2o", decision_graph=True))
 
 
 @pytest.mark.gpu
@@ -124,9 +126,8 @@ def test_cuda_graphed_decisions_equal_eager_decisions(policy):
     runs = {}
     for graphed in (False, True):
         cfg = EngineConfig(num_blocks=96, block_size=4, max_num_reqs=8, max_num_tokens=256, reclaim=EAGER_RECLAIM,
-                           mode="vtoken", policy=policy, policy_config=POLICY_CFG)
+                           mode="vtoken", policy=policy, policy_config=POLICY_CFG, decision_graph=graphed)
         eng = Engine(model, cfg, record_trace=True)
-        eng.decisions.cuda_graph = graphed
         out = eng.generate(prompts, 16)
         runs[graphed] = ([r.output for r in out], _decisions(eng.trace), eng.decisions._graphs.replays)
     torch.cuda.synchronize()

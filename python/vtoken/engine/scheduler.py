@@ -98,6 +98,8 @@ class EngineConfig:
         decision: ``"device"`` (a :class:`~vtoken.decision_loop.DecisionLoop`;
             no per-token host work) or ``"host"`` (numpy per request, the
             baseline). A :class:`ReplayPolicy` always decides on the host.
+        decision_graph: replay the device decisions from CUDA graphs (CUDA
+            models only; off by default until it has run on a GPU).
     """
 
     mode: str = "vtoken"
@@ -112,10 +114,13 @@ class EngineConfig:
     cuda_graph: Optional[bool] = None
     eos_token_id: Optional[int] = None
     decision: str = "device"
+    decision_graph: bool = False
 
     def __post_init__(self):
         if self.decision not in ("device", "host"):
             raise InvalidArgumentError(f"decision: expected 'device' or 'host', got {self.decision!r}")
+        if not isinstance(self.decision_graph, bool):
+            raise InvalidTypeError(f"decision_graph: expected a bool, got {type(self.decision_graph).__name__}")
         if self.mode not in MODES:
             raise InvalidArgumentError(f"mode: expected one of {MODES}, got {self.mode!r}")
         if self.reclaim is None:
@@ -217,8 +222,8 @@ class Engine:
         ))
         self.table = self.runner.table
         self.decisions = DecisionLoop(decider, self.runner.mirror, num_blocks=config.num_blocks,
-                                      block_size=config.block_size, max_reqs=config.max_num_reqs) \
-            if on_device else None
+                                      block_size=config.block_size, max_reqs=config.max_num_reqs,
+                                      cuda_graph=config.decision_graph) if on_device else None
         self._score_sink = self.decisions if on_device and source == "exact" else None
         if self.trace is not None and on_device:
             self.trace.meta["host_apply_delay"] = 1
