@@ -83,7 +83,7 @@ class Pair:
             ws[:nnz, 0] = torch.from_numpy(mass)
             ws[:nnz, 1] = torch.from_numpy(mass[::-1].copy())
         seq_lens = np.array([self.b.num_tokens(r) for r in order])
-        self.loop.decide(order, self.bufs, seq_lens=seq_lens, num_new=np.ones(len(order)) if votes else counts,
+        self.loop.decide(order, self.bufs, seq_lens=seq_lens, num_new=np.ones(len(order), dtype=np.int64) if votes else counts,
                          window_scores=ws)
         evicted = 0
         for i, r in enumerate(order):
@@ -150,10 +150,11 @@ def test_emptied_blocks_are_the_naive_frees():
     pair.loop.drain()
     pair.a.sync_new_tokens_batch([0, 1], [1, 1])
     pair.mirror.build(pair.bufs, [0, 1], [1, 1])
-    pair.loop.decide([0, 1], pair.bufs, seq_lens=np.array([21, 10]), num_new=np.ones(2))  # all but 2 of each go
-    rec = pair.loop.ring.drain_all()[0]
+    pair.loop.decide([0, 1], pair.bufs, seq_lens=np.array([21, 10]), num_new=np.ones(2, dtype=np.int64))  # all but 2 of each go
+    rec = pair.loop.ring.next_ready()
     freed_before = pair.a.ledger.num_free
     pair.loop._apply_record(rec)
+    pair.loop.ring.release()
     assert rec.emptied_blocks.size > 0
     assert pair.a.ledger.num_free - freed_before == rec.emptied_blocks.size  # none is a tail here
     assert (pair.a.ledger.live[rec.emptied_blocks] == 0).all()
@@ -167,13 +168,13 @@ def test_ring_overflow_defers_victims_and_grows():
     for r in range(3):
         pair.a.sync_new_tokens(r, 12)
     pair.mirror.build(pair.bufs, [0, 1, 2], [12, 12, 12])
-    pair.loop.decide([0, 1, 2], pair.bufs, seq_lens=np.full(3, 12), num_new=np.ones(3))  # 9 victims each
+    pair.loop.decide([0, 1, 2], pair.bufs, seq_lens=np.full(3, 12), num_new=np.ones(3, dtype=np.int64))  # 9 victims each
     applied = pair.loop.drain()
     assert sum(r.num_victims for r in applied) == 5  # the record's capacity
     assert pair.loop.num_deferred == 3 * 9 - 5 and pair.loop.ring.victim_capacity >= 27
     # the deferred victims are still alive on both sides, and the next step takes them
     pair.mirror.build(pair.bufs, [0, 1, 2], [0, 0, 0])
-    pair.loop.decide([0, 1, 2], pair.bufs, seq_lens=np.full(3, 12), num_new=np.zeros(3))
+    pair.loop.decide([0, 1, 2], pair.bufs, seq_lens=np.full(3, 12), num_new=np.zeros(3, dtype=np.int64))
     pair.loop.drain()
     assert [pair.a.live_count(r) for r in range(3)] == [3, 3, 3]
     pair.mirror.check_against_table()
@@ -184,24 +185,64 @@ def test_records_of_finished_or_reregistered_requests_are_skipped():
     pair = Pair(P.get("streamingllm", sink=0, window=2, budget=None), 2, rng)
     pair.a.sync_new_tokens_batch([0, 1], [6, 6])
     pair.mirror.build(pair.bufs, [0, 1], [6, 6])
-    pair.loop.decide([0, 1], pair.bufs, seq_lens=np.full(2, 6), num_new=np.ones(2))
+    pair.loop.decide([0, 1], pair.bufs, seq_lens=np.full(2, 6), num_new=np.ones(2, dtype=np.int64))
     pair.a.finish(0)
     pair.a.add_request(0)  # same id, a new registration
     applied = pair.loop.drain()
-    assert [rid for r in applied for rid in r.reqs] == [1] and pair.a.live_count(0) == 0
+    (rec,) = applied
+    # both decisions are reported (the device did drop request 0's victims), only request 1's applied
+    assert rec.reqs == [0, 1] and rec.applied.tolist() == [False, True] and rec.counts.tolist() == [4, 4]
+    assert pair.a.live_count(0) == 0 and pair.a.live_count(1) == 2 and pair.loop.num_applied == 4
     pair.a.check_invariants()
 
 
-def test_decide_rejects_a_batch_other_than_the_built_one():
+def test_decide_rejects_bad_arguments_before_changing_anything():
     rng = np.random.default_rng(6)
     pair = Pair(P.get("h2o", budget=4, window=1), 2, rng)
     pair.a.sync_new_tokens_batch([0, 1], [3, 3])
     pair.mirror.build(pair.bufs, [0, 1], [3, 3])
-    with pytest.raises(InvalidArgumentError, match="reqs"):
-        pair.loop.decide([0], pair.bufs, seq_lens=[3], num_new=[3])
-    with pytest.raises(InvalidArgumentError, match="seq_lens"):
-        pair.loop.decide([0, 1], pair.bufs, seq_lens=[3], num_new=[3, 3])
+    pair.loop.token_mass[:6] = 0.5
+    before = (pair.loop.token_mass.clone(), pair.loop.state.accumulated.clone(), pair.mirror.alive.clone())
+    bad = [
+        (InvalidArgumentError, "reqs", dict(reqs=[0], seq_lens=[3], num_new=[3])),
+        (InvalidArgumentError, "reqs", dict(reqs=[1, 0], seq_lens=[3, 3], num_new=[3, 3])),  # not the built order
+        (InvalidArgumentError, "seq_lens", dict(reqs=[0, 1], seq_lens=[3], num_new=[3, 3])),
+        (TypeError, "num_new", dict(reqs=[0, 1], seq_lens=[3, 3], num_new=[1.0, 1.0])),
+        (InvalidArgumentError, "num_new", dict(reqs=[0, 1], seq_lens=[3, 3], num_new=[4, 1])),
+        (InvalidArgumentError, "done", dict(reqs=[0, 1], seq_lens=[3, 3], num_new=[1, 1], done=[0, 1])),
+        (InvalidArgumentError, "window_scores", dict(reqs=[0, 1], seq_lens=[3, 3], num_new=[1, 1],
+                                                     window_scores=torch.zeros(pair.bufs.nnz_max, 2))),
+    ]
+    for err, arg, kw in bad:
+        reqs = kw.pop("reqs")
+        with pytest.raises(err, match=arg):
+            pair.loop.decide(reqs, pair.bufs, **kw)
+    after = (pair.loop.token_mass, pair.loop.state.accumulated, pair.mirror.alive)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert pair.loop.steps == 0 and pair.loop.ring.in_flight == 0
+
+
+def test_snapkv_window_step_gets_a_record_for_all_its_victims():
+    """SnapKV decides once (end of prefill): its victims are never deferred, whatever the ring's size."""
+    rng = np.random.default_rng(8)
+    pair = Pair(P.get("snapkv", budget=10, window=3), 2, rng, victim_capacity=5)
+    pair.step([0, 1], {0: 40, 1: 45}, coarse=False)  # the window step: 30 + 35 victims
+    pair.loop.drain()
+    assert pair.loop.num_deferred == 0 and pair.loop.ring.victim_capacity >= 65
+    assert [pair.a.live_count(r) for r in (0, 1)] == [10, 10]
+    pair.check_same_live([0, 1])
+
+
+def test_a_record_that_fails_to_apply_stays_queued():
+    rng = np.random.default_rng(9)
+    pair = Pair(P.get("streamingllm", sink=0, window=2, budget=None), 1, rng)
+    pair.a.sync_new_tokens_batch([0], [6])
+    pair.mirror.build(pair.bufs, [0], [6])
+    pair.loop.decide([0], pair.bufs, seq_lens=np.array([6]), num_new=np.ones(1, dtype=np.int64))
+    pair.a.evict(0, [0])  # a direct host eviction of one of the device's victims: the record cannot apply
+    with pytest.raises(InvalidArgumentError, match="already-evicted"):
+        pair.loop.drain()
+    assert pair.loop.ring.in_flight == 1 and pair.a.live_count(0) == 5  # nothing lost, nothing half-applied
 
 
 class _ReplayOnCPU:
@@ -218,16 +259,22 @@ def test_padded_graph_steps_equal_eager_steps(name, cfg, monkeypatch):
     policy = P.get(name, **cfg)
     eager, graphed = Pair(policy, 5, rng_a), Pair(policy, 5, rng_b)
     loop = graphed.loop
-    monkeypatch.setattr(loop._graphs, "_capture", lambda lp, sl, size: loop._graphs._graphs.setdefault(
-        size, _ReplayOnCPU(lambda: lp._device_step(sl, size))))
+    captured = []
+
+    def capture(lp, sl, size):
+        captured.append(size)
+        return loop._graphs._graphs.setdefault(size, _ReplayOnCPU(lambda: lp._device_step(sl, size)))
+
+    monkeypatch.setattr(loop._graphs, "_capture", capture)
     loop.cuda_graph = True
     relayouts = graphed.mirror.relayouts
     for step in range(10):
-        order = [int(r) for r in rng_a.permutation(5)][: 3 + step % 3]  # 3..5 requests: padded to 4 or 8
+        order = [int(r) for r in rng_a.permutation(5)][: 3 + step % 3]  # 3..5 requests: sizes (1, 2, 4, 5)
         rng_b.permutation(5)
         new = {r: 12 if step == 0 else 1 for r in range(5)}
         for pair in (eager, graphed):
             pair.step(order if step else list(range(5)), new, coarse=True)
         for r in range(5):
             assert np.array_equal(eager.a.live_ids(r), graphed.a.live_ids(r))
-    assert loop._graphs.replays > 0 and graphed.mirror.relayouts > relayouts  # replays, and a re-layout dropped them
+    assert loop._graphs.replays > 0 and graphed.mirror.relayouts > relayouts
+    assert len(captured) > len(set(captured))  # a re-layout dropped the graphs: sizes were captured again

@@ -103,6 +103,7 @@ class SlotListBuffers:
         self.num_tokens = torch.zeros(self.max_reqs, dtype=torch.int64, device=dev)
         self.new_token_counts = torch.zeros(self.max_reqs, dtype=torch.int64, device=dev)
         self.num_reqs = 0
+        self.reqs: list = []
         self.num_new_tokens = 0
         self.kv_indptr_host = np.zeros(self.max_reqs + 1, dtype=np.int64)
 
@@ -297,7 +298,9 @@ class DeviceMirror:
         position ``source[i]`` (-1: nothing). Per-position device state kept
         beside the mirror (e.g. eviction-policy scores) follows with one gather.
         """
-        self._layout_listeners.append(listener)
+        # NOTE: held weakly (a bound method through WeakMethod): a dropped listener stops being called.
+        ref = weakref.WeakMethod(listener) if hasattr(listener, "__self__") else (lambda fn=listener: fn)
+        self._layout_listeners.append(ref)
 
     def add_kill_source(self, source) -> None:
         """Register an object that kills on the device (:meth:`kill_on_device`) ahead of the table.
@@ -316,8 +319,9 @@ class DeviceMirror:
         return pending
 
     def _notify_layout(self, source: torch.Tensor) -> None:
-        for listener in self._layout_listeners:
-            listener(source, source.numel())
+        self._layout_listeners = [ref for ref in self._layout_listeners if ref() is not None]
+        for ref in self._layout_listeners:
+            ref()(source, source.numel())
 
     def kill_on_device(self, positions: torch.Tensor, kill: torch.Tensor) -> None:
         """Clear the alive bit at ``positions[i]`` where ``kill[i]`` (device tensors, no host sync).
@@ -522,6 +526,7 @@ class DeviceMirror:
             buffers.kv_indices, buffers.kv_indptr, buffers.slot_mapping, kv_pos=buffers.kv_pos, num_reqs=n,
         )
         buffers.num_reqs = n
+        buffers.reqs = reqs  # the batch, in order (what a consumer of the lists checks against)
         buffers.num_new_tokens = int(k.sum())
         buffers.kv_indptr_host[0] = 0
         buffers.kv_indptr_host[1 : n + 1] = np.cumsum(live)

@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from vtoken import ops
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, check_int, debug_checks_enabled
+from vtoken.errors import (InvalidArgumentError, InvalidTypeError, InvariantViolation, as_index_array, check_int,
+                           check_tensor, debug_checks_enabled)
 from vtoken.policies.base import request_seed
 from vtoken.policies.counter_hash import fold32
 from vtoken.policies.device import DeviceBatch, DevicePolicyState
@@ -70,7 +71,7 @@ class StepMeta:
 
 @dataclass(frozen=True)
 class AppliedRecord:
-    """One step's decisions as the host applied them: CSR over the requests it decided for."""
+    """One step's decisions, as the host received them: CSR over the requests it decided for."""
 
     reqs: list
     seq_lens: np.ndarray  # each request's length when the device decided (the trace key)
@@ -78,6 +79,7 @@ class AppliedRecord:
     token_ids: np.ndarray  # int64, CSR by request
     decided_step: int
     applied_step: int
+    applied: np.ndarray  # bool per request: evicted on the host (False: it finished or was re-registered since)
 
     @property
     def num_victims(self) -> int:
@@ -151,7 +153,9 @@ class DecisionLoop:
     def _follow_layout(self, source: torch.Tensor, size: int) -> None:
         self._graphs.invalidate()  # captured over the old buffers
         self.state.relayout(source)
-        if self.token_mass is not None:  # reset after every decide(): all zero between steps
+        # token_mass is all zero between steps (decide resets what attention wrote), so it needs no
+        # gather; it keeps its address unless the arena grew, so the runner's graphs over it stay valid.
+        if self.token_mass is not None and self.token_mass.numel() != size + 1:
             self.token_mass = torch.zeros(size + 1, dtype=torch.float32, device=self.device)
 
     # ------------------------------------------------------------------ device side
@@ -182,17 +186,11 @@ class DecisionLoop:
         float ``[nnz_max, H]`` window votes, rows as ``kv_pos`` (SnapKV's
         prefill; its requests decide this step). No host sync.
         """
-        reqs = list(reqs)
+        reqs, seq_lens, num_new, done = self._check_step(reqs, slot_lists, seq_lens, num_new, done, window_scores)
         n = len(reqs)
-        if n != slot_lists.num_reqs:
-            raise InvalidArgumentError(f"reqs: expected the {slot_lists.num_reqs} requests the slot lists were built for, got {n}")
-        seq_lens = np.asarray(seq_lens, dtype=np.int64)
-        num_new = np.asarray(num_new, dtype=np.int64)
-        if seq_lens.shape != (n,) or num_new.shape != (n,):
-            raise InvalidArgumentError(f"seq_lens/num_new: expected {n} entries each, got {seq_lens.shape} and {num_new.shape}")
-        done = np.zeros(n, dtype=bool) if done is None else np.asarray(done, dtype=bool)
-        if done.shape != (n,):
-            raise InvalidArgumentError(f"done: expected {n} entries, got {done.shape}")
+        if window_scores is not None:  # SnapKV decides once: its record holds every possible victim
+            if self.ring.grow(min_victims=int(slot_lists.kv_indptr_host[n])):
+                self._graphs.invalidate()
         self._stage(n, seq_lens, num_new, reqs, done, np.full(n, window_scores is not None, dtype=np.int64))
         self.mirror.flush()  # pending host deltas land first (never inside a captured graph)
         if self.cuda_graph and window_scores is None:
@@ -202,6 +200,34 @@ class DecisionLoop:
         meta = StepMeta(self.steps, reqs, self._generations(reqs), seq_lens.copy(), done)
         self.ring.ship(meta)
         self.steps += 1
+
+    def _check_step(self, reqs, slot_lists, seq_lens, num_new, done, window_scores) -> tuple:
+        """Every argument of :meth:`decide`, checked before anything changes (typed errors naming it)."""
+        reqs = list(reqs)
+        n = len(reqs)
+        if n > self.max_reqs:
+            raise InvalidArgumentError(f"reqs: expected at most max_reqs={self.max_reqs} requests, got {n}")
+        if reqs != list(getattr(slot_lists, "reqs", ())):
+            raise InvalidArgumentError(f"reqs: expected the batch the slot lists were built for "
+                                       f"({list(getattr(slot_lists, 'reqs', ()))[:4]}...), got {reqs[:4]}...")
+        seq_lens = as_index_array("seq_lens", seq_lens)
+        num_new = as_index_array("num_new", num_new)
+        if seq_lens.shape != (n,) or num_new.shape != (n,):
+            raise InvalidArgumentError(f"seq_lens/num_new: expected {n} entries each, got {seq_lens.shape} and {num_new.shape}")
+        if n and (num_new.min() < 0 or (num_new > seq_lens).any()):
+            raise InvalidArgumentError("num_new: expected 0 <= num_new <= seq_lens per request")
+        done = np.zeros(n, dtype=bool) if done is None else np.asarray(done)
+        if done.dtype != np.bool_ or done.shape != (n,):
+            raise InvalidArgumentError(f"done: expected {n} bools, got {done.dtype} {done.shape}")
+        if window_scores is not None:
+            if self.policy.score_source != "window":
+                raise InvalidArgumentError(f"window_scores: expected None for policy {self.policy.name!r} "
+                                           "(only a window-vote policy takes them), got a tensor")
+            check_tensor("window_scores", window_scores, ndim=2, device=self.device)
+            if window_scores.shape[0] != slot_lists.nnz_max or not window_scores.dtype.is_floating_point:
+                raise InvalidArgumentError(f"window_scores: expected float [{slot_lists.nnz_max}, H] (rows as kv_pos), "
+                                           f"got {window_scores.dtype} {tuple(window_scores.shape)}")
+        return reqs, seq_lens, num_new, done
 
     def _device_step(self, slot_lists, num_reqs: int, window_scores=None) -> None:
         """Everything on the device (fixed shapes, no host read): capturable in a CUDA graph."""
@@ -236,9 +262,10 @@ class DecisionLoop:
         self._refs.zero_()
         self._refs.index_add_(0, torch.where((self.mirror.alive != 0) & (slots >= 0), slots, num_slots),
                               torch.ones_like(slots, dtype=torch.int32))
-        counts_now, self.waste_ratio = ops.block_live_counts(self._slot_ids, (self._refs[:num_slots] > 0).to(torch.int8),
+        counts_now, waste = ops.block_live_counts(self._slot_ids, (self._refs[:num_slots] > 0).to(torch.int8),
                                                              self.num_blocks, self.block_size)
         self.block_live[: self.num_blocks] = counts_now
+        self.waste_ratio.copy_(waste)  # in place: a captured graph writes the same tensor
         # Emptied this step: a block that held a victim (so it was live before) and holds nothing now.
         vslot = slot_lists.kv_indices[:nnz].to(torch.int64)
         touched = torch.zeros(self.num_blocks + 1, dtype=torch.bool, device=self.device)
@@ -267,50 +294,57 @@ class DecisionLoop:
 
     # ------------------------------------------------------------------ host side
     def drain(self) -> list[AppliedRecord]:
-        """Apply every record whose copy completed (never waits); returns the applied decisions.
+        """Apply every record whose copy completed, oldest first (never waits); returns what they decided.
 
         One ``evict_flat`` per record, O(victims). A request that finished or
-        was re-registered since the decision is skipped (its blocks are gone
-        or its tokens are new). At the end, with nothing in flight, the ring
+        was re-registered since the decision is not evicted on the host (its
+        blocks are gone, or its tokens are new) but its decision is still
+        returned: the device did keep those victims out of attention. A
+        record leaves the ring only once applied. Between steps the ring
         grows if a step wanted more victims than a record holds.
         """
         applied = []
-        for rec in self.ring.ready():
-            applied.extend(self._apply_record(rec))
-        if not self.ring.in_flight and self.ring.grow():
+        rec = self.ring.next_ready()
+        while rec is not None:
+            applied.append(self._apply_record(rec))
+            self.ring.release()
+            rec = self.ring.next_ready()
+        if self.ring.grow():
             self._graphs.invalidate()  # the record moved
         return applied
 
     def drain_all(self) -> list[AppliedRecord]:
         """:meth:`drain`, waiting for every copy in flight (end of a run, tests): syncs."""
-        applied = []
-        for rec in self.ring.drain_all():
-            applied.extend(self._apply_record(rec))
-        if self.ring.grow():
-            self._graphs.invalidate()
-        return applied
+        self.ring.wait_all()
+        return self.drain()
 
-    def _apply_record(self, rec) -> list[AppliedRecord]:
-        """Evict a record's victims on the host (one ``evict_flat``); one decision per request it decided for."""
+    def _apply_record(self, rec) -> AppliedRecord:
+        """Evict a record's victims on the host (one ``evict_flat``); its decisions, every request decided for."""
         meta = rec.meta
         counts = rec.counts.astype(np.int64)
         self.num_deferred += rec.deferred
+        decided = np.flatnonzero(~meta.done)
+        live = (self.table.registry.generations_of(meta.reqs) == meta.generations) & ~meta.done
         ends = np.cumsum(counts)
-        current = self.table.registry.generations_of(meta.reqs)
-        keep = (current == meta.generations) & ~meta.done  # finished / re-registered since: nothing to apply
-        idx = np.flatnonzero(keep)
-        if idx.size == len(counts):
-            tids, reqs = rec.token_ids, meta.reqs
+        if decided.size == len(counts):
+            tids, reqs, dcounts = rec.token_ids, meta.reqs, counts
         else:
-            parts = [rec.token_ids[ends[i] - counts[i]: ends[i]] for i in idx]
+            parts = [rec.token_ids[ends[i] - counts[i]: ends[i]] for i in decided]
             tids = np.concatenate(parts) if parts else rec.token_ids[:0]
-            reqs, counts = [meta.reqs[i] for i in idx], counts[idx]
-        if counts.any():
-            self.table.evict_flat(reqs, tids, counts)
-            self.num_applied += int(counts.sum())
+            reqs, dcounts = [meta.reqs[i] for i in decided], counts[decided]
+        keep = live[decided]
+        if keep.all():
+            if dcounts.any():
+                self.table.evict_flat(reqs, tids, dcounts)
+        elif dcounts[keep].any():
+            off = np.concatenate([[0], np.cumsum(dcounts)])
+            idx = np.flatnonzero(keep)
+            self.table.evict_flat([reqs[i] for i in idx], np.concatenate([tids[off[i]: off[i + 1]] for i in idx]),
+                                  dcounts[idx])
+        self.num_applied += int(dcounts[keep].sum())
         if debug_checks_enabled() and rec.emptied_overflow == 0 and meta.step == self.steps - 1:
             self._check_emptied(rec)  # only one step late: later appends may have refilled a kept tail block
-        return [AppliedRecord(reqs, meta.seq_lens[idx], counts, tids.astype(np.int64), meta.step, self.steps)]
+        return AppliedRecord(reqs, meta.seq_lens[decided], dcounts, tids.astype(np.int64), meta.step, self.steps, keep)
 
     def pending_victims(self) -> dict:
         """{request: token ids} killed on the device and not yet applied on the host (debug checks: syncs)."""

@@ -34,6 +34,7 @@ class StepGraphs:
         self._graphs: dict = {}
         self._warm: set = set()
         self._pool = None
+        self._slot_lists = None
         self.captures = 0
         self.replays = 0
 
@@ -46,6 +47,9 @@ class StepGraphs:
 
     def run(self, loop, slot_lists, n: int) -> None:
         """Run ``loop``'s device step for ``n`` requests: eager the first time at this size, then a replay."""
+        if slot_lists is not self._slot_lists:  # graphs read the buffers they were captured over
+            self.invalidate()
+            self._slot_lists = slot_lists
         size = self.padded(n)
         graph = self._graphs.get(size)
         if graph is None:

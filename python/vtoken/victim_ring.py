@@ -18,8 +18,11 @@ Record layout (int32, ``record_size`` elements)::
 
 NOTE: a victim is never lost. The device kills only the victims that fit the
 record (the rest stay alive on the device and on the host, and the policy
-picks them again next step). At a safe point (:meth:`grow`, called by the host
-between steps) the capacity doubles past the largest demand seen.
+picks them again next step; a policy that decides only once, SnapKV at the
+end of prefill, gets a record sized for the whole batch first). Between steps
+(:meth:`grow`) the capacity doubles past the largest demand seen; records in
+flight keep the geometry they were shipped with. A record leaves the queue
+only once the host has applied it (:meth:`next_ready`, :meth:`release`).
 
 On CPU (no CUDA) the "copy" is a plain clone and every record is ready at
 once; the decision loop still applies it one step late, so both paths give
@@ -46,6 +49,8 @@ class ShippedRecord:
     host: torch.Tensor  # int32 [record_size], pinned on CUDA
     event: Any  # torch.cuda.Event, or None on CPU (ready at once)
     meta: Any  # the caller's per-step context (requests, generations, decision keys)
+    max_reqs: int  # the geometry the record was written with
+    victim_capacity: int
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ class VictimRing:
     def _alloc(self) -> None:
         # +1: a trash element, the fixed-shape scatters' target for entries that write nothing.
         self.record = torch.zeros(self.record_size + 1, dtype=torch.int32, device=self.device)
-        self._spare.clear()
+        self._spare = [h for h in self._spare if h.numel() == self.record_size]
 
     @property
     def record_size(self) -> int:
@@ -121,7 +126,8 @@ class VictimRing:
     def ship(self, meta) -> None:
         """Copy the current record to the host (async on CUDA) and queue it with ``meta``."""
         n = self.record_size
-        host = self._spare.pop() if self._spare else torch.empty(n, dtype=torch.int32, pin_memory=self.is_gpu)
+        host = self._spare.pop() if self._spare and self._spare[-1].numel() == n else \
+            torch.empty(n, dtype=torch.int32, pin_memory=self.is_gpu)
         if self.is_gpu:
             host.copy_(self.record[:n], non_blocking=True)
             event = torch.cuda.Event()
@@ -129,66 +135,60 @@ class VictimRing:
         else:
             host.copy_(self.record[:n])
             event = None
-        self._in_flight.append(ShippedRecord(host, event, meta))
+        self._in_flight.append(ShippedRecord(host, event, meta, self.max_reqs, self.victim_capacity))
 
-    def ready(self) -> list[VictimRecord]:
-        """The shipped records whose copy completed, oldest first (never blocks)."""
-        out = []
-        while self._in_flight and (self._in_flight[0].event is None or self._in_flight[0].event.query()):
-            out.append(self._decode(self._in_flight.popleft()))
-        return out
+    def next_ready(self) -> Optional[VictimRecord]:
+        """The oldest shipped record if its copy completed (never blocks), else None. It stays queued
+        until :meth:`release`, so a record whose application fails is not lost."""
+        if self._in_flight and (self._in_flight[0].event is None or self._in_flight[0].event.query()):
+            return self._decode(self._in_flight[0])
+        return None
 
-    def drain_all(self) -> list[VictimRecord]:
-        """Every shipped record, waiting for the copies (a shutdown / test helper: syncs)."""
+    def release(self) -> None:
+        """Drop the oldest record (applied) and recycle its host buffer."""
+        rec = self._in_flight.popleft()
+        if rec.host.numel() == self.record_size:
+            self._spare.append(rec.host)
+        h = rec.host.numpy()
+        self._demand = max(self._demand, int(h[0]) + int(h[1]))
+
+    def wait_all(self) -> None:
+        """Wait for every copy in flight (a shutdown / test helper: syncs)."""
         for rec in self._in_flight:
             if rec.event is not None:
                 rec.event.synchronize()
-        return self.ready()
 
     def peek(self) -> list[VictimRecord]:
         """Every shipped record, decoded but left in flight (a debug check's view: syncs)."""
-        out = []
-        for rec in self._in_flight:
-            if rec.event is not None:
-                rec.event.synchronize()
-            out.append(self._decode(rec, recycle=False))
-        return out
+        self.wait_all()
+        return [self._decode(rec) for rec in self._in_flight]
 
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
 
-    def _decode(self, rec: ShippedRecord, recycle: bool = True) -> VictimRecord:
-        # NOTE: the geometry is the current one: grow() only runs with nothing in flight.
-        h = rec.host.numpy()
+    @staticmethod
+    def _decode(rec: ShippedRecord) -> VictimRecord:
+        h = rec.host.numpy()  # decoded with the geometry it was shipped with
         nv, deferred, nb, b_over = (int(x) for x in h[:HEADER])
+        v0 = HEADER + rec.max_reqs
+        b0 = v0 + rec.victim_capacity
         counts = h[HEADER : HEADER + rec.meta.num_reqs].copy()
-        token_ids = h[self.victims_offset : self.victims_offset + nv].copy()
-        blocks = h[self.blocks_offset : self.blocks_offset + nb].copy()
-        if recycle:
-            self._spare.append(rec.host)
-            self._demand = max(self._demand, nv + deferred)
-        return VictimRecord(counts, token_ids, blocks, deferred, b_over, rec.meta)
+        return VictimRecord(counts, h[v0 : v0 + nv].copy(), h[b0 : b0 + nb].copy(), deferred, b_over, rec.meta)
 
-    def grow(self, min_blocks: Optional[int] = None) -> bool:
-        """At a safe point (nothing in flight): double the victim capacity past the largest demand seen.
-
-        Returns True when the record was re-allocated (its views change).
+    def grow(self, min_victims: int = 0) -> bool:
+        """Re-allocate the device record larger: past the largest demand seen since the last grow, and
+        to at least ``min_victims``. Records in flight keep their own geometry, so any time between
+        steps is safe. Returns True when the record moved (a captured graph over it is stale).
         """
-        if self._in_flight:
-            return False
-        grew = False
-        if self._demand > self.victim_capacity:
-            cap = self.victim_capacity
-            while cap < self._demand:
-                cap *= 2
-            self.victim_capacity = cap
-            grew = True
-        if min_blocks is not None and min_blocks > self.block_capacity:
-            self.block_capacity = int(min_blocks)
-            grew = True
-        if grew:
-            self._alloc()
-            self.num_grows += 1
+        need = max(self._demand, int(min_victims))
         self._demand = 0
-        return grew
+        if need <= self.victim_capacity:
+            return False
+        cap = self.victim_capacity
+        while cap < need:
+            cap *= 2
+        self.victim_capacity = cap
+        self._alloc()
+        self.num_grows += 1
+        return True

@@ -167,10 +167,13 @@ class DeviceBatch:
 
     def per_entry(self, per_request: torch.Tensor, fill) -> torch.Tensor:
         """``per_request[req[j]]`` for every entry, ``fill`` for padding (one gather, fixed shape; cached)."""
-        def make():
+        key = ("per_entry", id(per_request), type(fill), fill)
+        hit = self._memo.get(key)
+        if hit is None:
             head = per_request[: self.num_reqs]
-            return torch.cat([head, head.new_full((1,), fill)])[self.req]
-        return self._cached(("per_entry", id(per_request), fill), make)
+            # NOTE: the memo keeps the source tensor alive, so its id cannot be reused by another one.
+            hit = self._memo[key] = (per_request, torch.cat([head, head.new_full((1,), fill)])[self.req])
+        return hit[1]
 
     @property
     def live(self) -> torch.Tensor:
