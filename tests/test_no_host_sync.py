@@ -34,12 +34,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine_helpers import TINY, EAGER_RECLAIM
 from vtoken.engine.model import LlamaModel, ModelConfig
 from vtoken.engine.scheduler import Engine, EngineConfig
 
-TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-            init_std=0.2)
-EAGER_RECLAIM = dict(theta_F=0.05, low_watermark=1.0, headroom_blocks=8, check_interval=1)
 
 _READS = ("item", "tolist", "cpu", "numpy", "__array__", "__bool__", "__int__", "__float__", "__index__")
 _KERNEL_STANDINS = (os.sep + os.path.join("vtoken", "reference") + os.sep, os.sep + "vtoken_kernels" + os.sep,
