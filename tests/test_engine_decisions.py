@@ -124,3 +124,20 @@ def test_cuda_graphed_decisions_equal_eager_decisions(policy):
     torch.cuda.synchronize()
     assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
     assert runs[True][2] > 0 and runs[False][2] == 0
+
+
+@pytest.mark.parametrize("policy", ("h2o", "snapkv"))
+def test_preemption_with_device_decisions_in_flight(model, policy, monkeypatch):
+    """Requests preempted (recompute) while their device decisions are in flight: nothing leaks or breaks."""
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    cfg = EngineConfig(num_blocks=26, block_size=4, max_num_reqs=4, max_num_tokens=256, mode="naive", policy=policy,
+                       policy_config=dict(budget=0.9, window=4, sink=1))
+    eng = Engine(model, cfg)
+    out = eng.generate(_prompts((17, 19, 15, 18, 16), seed=5), 12, concurrency=4)
+    assert all(len(r.output) == 12 for r in out)
+    assert eng.num_preemptions > 0  # the tight pool did preempt
+    assert sum(s.evicted for s in eng.stats) > 0
+    eng.decisions.drain_all()
+    eng.table.check_invariants()
+    eng.runner.mirror.check_against_table()
+    assert eng.table.ledger.num_allocated == 0
