@@ -101,9 +101,12 @@ class DecisionLoop:
         num_blocks / block_size: the KV cache's geometry (slot = block * block_size + offset).
         max_reqs: most requests per step.
         table: the host :class:`~vtoken.table.TokenTable` the victims go to (default: the mirror's).
-        victim_capacity: victims one step's record holds (grows at a safe point when exceeded).
-        victim_capacity: default ``max(8 * max_reqs, 1024)``; block_capacity: emptied blocks one
-            record holds, default ``max(2 * max_reqs, 256)``.
+        victim_capacity: victims one step's record holds, default ``max(8 * max_reqs, 1024)``
+            (it grows between steps when a step wanted more).
+        block_capacity: emptied blocks one record holds, default ``max(2 * max_reqs, 256)``.
+        cuda_graph: replay the device half of :meth:`decide` from CUDA graphs (CUDA only; one graph
+            per padded batch size, captured on the second step of that size, captured again after
+            a mirror re-layout or a ring growth). Default off: it has not run on a GPU yet.
     """
 
     def __init__(self, policy, mirror, *, num_blocks: int, block_size: int, max_reqs: int, table=None,
