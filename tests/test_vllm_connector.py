@@ -453,3 +453,23 @@ def test_plugin_routes_cpu_attention_only_for_the_vtoken_connector(model_dir):
         assert AttentionBackendEnum.CPU_ATTN.get_class() is CPUAttentionBackend
     with set_current_vllm_config(ours):
         assert AttentionBackendEnum.CPU_ATTN.get_class() is attention.VTokenAttentionBackend
+
+
+def test_connector_refuses_dual_batch_overlap_and_micro_batching(model_dir):
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vtoken.errors import InvalidArgumentError
+    from vtoken.integrations.vllm.connector import VTokenConnector
+
+    kvt = KVTransferConfig(kv_connector="VTokenConnector", kv_connector_module_path="vtoken.integrations.vllm.connector",
+                           kv_role="kv_both", kv_connector_extra_config={"mode": "native"})
+    cfg = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="float32", block_size=32,
+                     kv_transfer_config=kvt).create_engine_config()
+    for field, value in (("enable_dbo", True), ("ubatch_size", 2)):
+        setattr(cfg.parallel_config, field, value)
+        with pytest.raises(InvalidArgumentError, match="enable_dbo / ubatch_size"):
+            VTokenConnector(cfg, KVConnectorRole.SCHEDULER)
+        setattr(cfg.parallel_config, field, type(value)(0))
+    assert VTokenConnector(cfg, KVConnectorRole.SCHEDULER).scheduler_side is not None

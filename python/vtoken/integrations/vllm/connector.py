@@ -65,6 +65,14 @@ class VTokenConnector(KVConnectorBase_V1):
                 "pipeline_parallel_size: expected 1 with the vtoken connector, "
                 f"got {vllm_config.parallel_config.pipeline_parallel_size}"
             )
+        if vllm_config.parallel_config.use_ubatching:
+            # NOTE: micro-batches split one step's batch into separately built attention inputs; the
+            # worker builds one set of slot lists per step and applies each step's table events once.
+            raise InvalidArgumentError(
+                "enable_dbo / ubatch_size: expected no dual-batch overlap or micro-batching with the vtoken "
+                f"connector, got enable_dbo={vllm_config.parallel_config.enable_dbo}, "
+                f"ubatch_size={vllm_config.parallel_config.ubatch_size}"
+            )
         self.scheduler_side = None
         self.worker_side = None
         if role == KVConnectorRole.SCHEDULER:
