@@ -411,6 +411,27 @@ def test_worker_metadata_aggregates_by_summing():
         a.aggregate(VTokenWorkerMetadata(4, {}))
 
 
+def test_worker_slot_lists_grow_past_physical_slots_for_shared_prefixes():
+    """100 requests over one 64-token shared prefix list 100x more keys than the cache has slots: no crash."""
+    from vtoken.integrations.vllm.worker import WorkerSide
+
+    num_blocks, bs, h, d = 8, 32, 2, 16
+    w = WorkerSide(max_reqs=128, max_tokens=4096, max_moves=64)
+    w.register_kv_caches({"layer0": torch.zeros(num_blocks, h, bs, 2 * d)})
+    assert w.buffers.nnz_max == num_blocks * bs
+    n, prefix = 100, np.arange(64)  # blocks 0 and 1, shared by every request
+    events = [("add", r, f"r{r}") for r in range(n)]
+    suffix = 64 + np.arange(n)  # each request's own next token (blocks 2..5)
+    slots = np.concatenate([np.concatenate([prefix, [suffix[r]]]) for r in range(n)])
+    events.append(("append", np.arange(n), np.full(n, 65), slots))
+    w.mirror.apply(events)
+    reqs = [f"r{r}" for r in range(n)]
+    bufs = w.build_slot_lists(reqs, np.ones(n, dtype=np.int64))
+    assert bufs.nnz_max >= n * 65 and w.stats["slot_list_grows"] == 1 and w._scores.numel() == bufs.nnz_max
+    assert bufs.kv_indices[: n * 65].view(n, 65).tolist() == [prefix.tolist() + [int(suffix[r])] for r in range(n)]
+    assert bufs.slot_mapping[:n].tolist() == suffix.tolist()
+
+
 def test_attention_impl_writes_the_vllm_fused_layout():
     from vtoken.integrations.vllm.attention import VTokenAttentionImpl
 

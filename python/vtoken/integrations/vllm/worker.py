@@ -82,7 +82,8 @@ class WorkerSide:
         self._scores: Optional[torch.Tensor] = None
         self._batch: list = []
         self._batch_step = -1
-        self.stats = {"steps": 0, "moves": 0, "copies": 0, "event_waits": 0, "slot_lists_built": 0}
+        self.stats = {"steps": 0, "moves": 0, "copies": 0, "event_waits": 0, "slot_lists_built": 0,
+                      "slot_list_grows": 0}
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict) -> None:
@@ -138,6 +139,7 @@ class WorkerSide:
                     f"worker mirror: token counts {n.tolist()[:8]} differ from vLLM's seq_lens "
                     f"{np.asarray(seq_lens[: len(req_ids)]).tolist()[:8]}"
                 )
+        self._ensure_capacity(req_ids)
         self.mirror.build(self.buffers, req_ids, query_lens)
         total = int(self.buffers.kv_indptr_host[len(req_ids)])
         if self._meta is not None and self._meta.want_scores:
@@ -146,6 +148,24 @@ class WorkerSide:
         self._batch_step = self._meta.step if self._meta is not None else -1
         self.stats["slot_lists_built"] += 1
         return self.buffers
+
+    def _ensure_capacity(self, req_ids: list) -> None:
+        """Grow the slot lists and the score buffer when the batch lists more keys than they hold.
+
+        NOTE: a shared prefix slot is listed once per holder, so the logical entries
+        (live tokens summed over the batch) can exceed the physical slots many times
+        over (100 requests over one 2K-token system prompt list 200K entries). Sized
+        by physical slots at start, the buffers grow by 1.5x past the need, between
+        steps (they are rebuilt every step; this backend is not captured in graphs).
+        """
+        need = sum(self.mirror.live_count(r) for r in req_ids)
+        if need <= self.buffers.nnz_max:
+            return
+        nnz_max = max(need, self.buffers.nnz_max * 3 // 2)
+        self.buffers = SlotListBuffers(max_reqs=self.max_reqs, nnz_max=nnz_max, max_tokens=self.max_tokens,
+                                       device=self.device)
+        self._scores = torch.zeros(nnz_max, dtype=torch.float32, device=self.device)
+        self.stats["slot_list_grows"] += 1
 
     @property
     def want_scores(self) -> bool:
