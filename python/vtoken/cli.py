@@ -68,8 +68,9 @@ def _add_demo(sub) -> None:
     p = sub.add_parser(
         "demo",
         help="paired native / naive / vtoken run on the embedded engine (the main job)",
-        description="Serve the same requests in native, naive and vtoken modes on one recorded victim trace "
-        "(recorded in naive, replayed in vtoken) and print, per mode, blocks retained per request, utilization, F, "
+        description="Serve the same requests in native, naive and vtoken modes, the policy deciding on the device "
+        "in naive and vtoken (their decisions checked equal), and print, per mode, blocks retained per request, "
+        "utilization, F, "
         "peak blocks, tokens/s and the max feasible concurrency at the block budget, and whether the greedy "
         "outputs of naive and vtoken are identical.",
     )

@@ -5,10 +5,11 @@
   shape in bf16, random weights, for GPU runs). ``--model-path`` loads a LOCAL
   Hugging Face Llama checkpoint instead; nothing is downloaded.
 - **Paired runs** (docs/architecture.md §7). :func:`paired_run` serves the same prompts
-  in each mode. The policy runs live once, in ``naive`` mode, with its victims
-  recorded; every other evicting mode replays that trace
-  (:class:`vtoken.policies.ReplayPolicy`, strict), so naive and vtoken see the
-  same victims and their greedy outputs must be identical.
+  in each mode. The policy runs live in every evicting mode, on the engine's
+  device decision loop, with its decisions recorded; each mode's decisions
+  must equal ``naive``'s, decision for decision (relocation leaves what
+  attention sees bit-identical), so naive and vtoken evict the same tokens and
+  their greedy outputs must be identical.
 - **Size checks.** :func:`check_pool` and :func:`check_memory` refuse, naming
   the option, a size whose slot ids int32 cannot hold or whose main
   allocations (estimated) exceed the machine's memory, before allocating.
@@ -30,7 +31,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from vtoken import cdiv
-from vtoken.errors import InvalidArgumentError, VTokenError, check_int
+from vtoken.errors import InvalidArgumentError, InvariantViolation, VTokenError, check_int
 
 MODEL_PRESETS = {
     # init_std 0.2 (not 0.02) gives the random model peaked attention, so score-based policies
@@ -336,29 +337,27 @@ def paired_run(model, prompts: Sequence, output_len: int, *, modes: Sequence[str
                policy_cfg: dict, engine_cfg: dict, progress: "Progress | None" = None) -> dict:
     """Serve ``prompts`` in each of ``modes`` on one victim trace; returns ``{mode: ModeRun}``.
 
-    ``naive`` always runs (first): it runs ``policy`` live and records the
-    trace; ``vtoken`` replays it and the replay must consume every decision.
+    ``naive`` always runs (first). Every evicting mode runs ``policy`` live and
+    records its decisions (on the device loop unless ``engine_cfg`` says
+    ``decision="host"``); a mode whose decisions differ from ``naive``'s raises
+    :class:`~vtoken.errors.InvariantViolation`.
     ``engine_cfg`` holds the :class:`~vtoken.engine.scheduler.EngineConfig`
     fields shared by all modes. Every request must be resident at once
     (``max_num_reqs``, ``max_num_tokens`` and ``num_blocks`` large enough), so
     that no mode queues or preempts and all see the same batches.
     """
     from vtoken.engine.scheduler import Engine, EngineConfig
-    from vtoken.policies import ReplayPolicy
 
     order = ["naive"] + [m for m in modes if m != "naive"]
     runs, trace = {}, None
     for mode in order:
         if progress is not None:
             progress.set_description(f"{mode} ({policy})")
-        if mode == "naive":
-            cfg = EngineConfig(mode=mode, policy=policy, policy_config=dict(policy_cfg), **engine_cfg)
-            eng = Engine(model, cfg, record_trace=True)
-        elif mode == "native":
+        if mode == "native":
             eng = Engine(model, EngineConfig(mode=mode, **engine_cfg))
         else:
-            replay = ReplayPolicy(trace)
-            eng = Engine(model, EngineConfig(mode=mode, **engine_cfg), policy=replay)
+            cfg = EngineConfig(mode=mode, policy=policy, policy_config=dict(policy_cfg), **engine_cfg)
+            eng = Engine(model, cfg, record_trace=True)
         if eng.runner.use_graph:
             eng.runner.capture_graphs()  # CUDA-graph capture is set-up, not serving time
         t0 = time.perf_counter()
@@ -366,8 +365,9 @@ def paired_run(model, prompts: Sequence, output_len: int, *, modes: Sequence[str
         seconds = time.perf_counter() - t0
         if mode == "naive":
             trace = eng.trace
-        elif mode != "native":
-            replay.check_complete()
+        elif mode != "native" and _decisions(eng.trace) != _decisions(trace):
+            raise InvariantViolation(f"paired run: mode {mode!r} decided other victims than naive with policy "
+                                     f"{policy!r} (both decide from what attention saw, which must be identical)")
         if eng.num_preemptions or eng.peak_running < len(prompts):
             raise InvalidArgumentError(
                 f"num_blocks: expected a budget that holds all {len(prompts)} requests at once in mode {mode!r} "
@@ -378,6 +378,10 @@ def paired_run(model, prompts: Sequence, output_len: int, *, modes: Sequence[str
         if progress is not None:
             progress.advance()
     return {m: runs[m] for m in modes}
+
+
+def _decisions(trace) -> list:
+    return sorted((repr(d.request_id), d.step, d.token_ids) for d in trace.decisions)
 
 
 def warm_up(model, engine_cfg: dict, prompt_len: int) -> None:

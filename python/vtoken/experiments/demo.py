@@ -3,9 +3,10 @@
 The same ``requests`` random prompts are served in the three modes of
 docs/architecture.md §7 by the embedded engine, all resident at once (no queuing, no
 preemption, so every mode sees the same batches). ``policy`` runs live in
-``naive`` mode and its victims are recorded; ``vtoken`` replays that trace,
-so both evict exactly the same tokens, and their greedy outputs must be
-identical token for token. Reclamation treats memory as always low (see
+``naive`` and ``vtoken`` modes, deciding on the device (the engine's
+decision loop); both must make the same decisions, checked decision for
+decision, so both evict exactly the same tokens, and their greedy outputs
+must be identical token for token. Reclamation treats memory as always low (see
 :data:`vtoken.experiments.common.EAGER_RECLAIM`).
 
 Reported per mode (see :class:`vtoken.experiments.common.ModeRun`):
@@ -131,7 +132,7 @@ def format_demo(res: DemoResult) -> str:
     lines = [
         f"vtoken demo: {c.requests} requests x ({c.prompt_len} prompt + {c.output_len} output) tokens, "
         f"block size {c.block_size}, budget {c.num_blocks - 1} blocks, policy {c.policy} "
-        f"(evict {100 * c.evict_ratio:g}%, one recorded victim trace)",
+        f"(evict {100 * c.evict_ratio:g}%, decided on the device in each mode, decisions checked equal)",
         f"model: {res.model}",
         "",
         f"{'mode':<8} {'retained/req':>12} {'utilization':>11} {'F':>6} {'peak':>6} {'peak/req':>8} "
