@@ -92,6 +92,15 @@ class AppliedRecord:
             yield req, int(self.seq_lens[k]), self.token_ids[off[k]: off[k + 1]]
 
 
+def _csr_rows(values: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> tuple:
+    """``(values, counts)`` of the CSR rows ``rows`` (ascending) of ``(values, counts)``."""
+    if rows.size == counts.size:
+        return values, counts
+    ends = np.cumsum(counts)
+    parts = [values[ends[i] - counts[i]: ends[i]] for i in rows]
+    return (np.concatenate(parts) if parts else values[:0]), counts[rows]
+
+
 class DecisionLoop:
     """Device-side eviction for one :class:`~vtoken.buffers.DeviceMirror` (see module docstring).
 
@@ -200,7 +209,7 @@ class DecisionLoop:
             self._graphs.run(self, slot_lists, n)
         else:
             self._device_step(slot_lists, n, window_scores)
-        meta = StepMeta(self.steps, reqs, self._generations(reqs), seq_lens.copy(), done)
+        meta = StepMeta(self.steps, reqs, self.table.registry.generations_of(reqs), seq_lens.copy(), done)
         self.ring.ship(meta)
         self.steps += 1
 
@@ -292,9 +301,6 @@ class DecisionLoop:
                 cache[r] = fold32(request_seed(r))
         return np.fromiter((cache[r] for r in reqs), dtype=np.int64, count=len(reqs))
 
-    def _generations(self, reqs) -> np.ndarray:
-        return self.table.registry.generations_of(reqs)
-
     # ------------------------------------------------------------------ host side
     def drain(self) -> list[AppliedRecord]:
         """Apply every record whose copy completed, oldest first (never waits); returns what they decided.
@@ -324,27 +330,16 @@ class DecisionLoop:
     def _apply_record(self, rec) -> AppliedRecord:
         """Evict a record's victims on the host (one ``evict_flat``); its decisions, every request decided for."""
         meta = rec.meta
-        counts = rec.counts.astype(np.int64)
         self.num_deferred += rec.deferred
         decided = np.flatnonzero(~meta.done)
-        live = (self.table.registry.generations_of(meta.reqs) == meta.generations) & ~meta.done
-        ends = np.cumsum(counts)
-        if decided.size == len(counts):
-            tids, reqs, dcounts = rec.token_ids, meta.reqs, counts
-        else:
-            parts = [rec.token_ids[ends[i] - counts[i]: ends[i]] for i in decided]
-            tids = np.concatenate(parts) if parts else rec.token_ids[:0]
-            reqs, dcounts = [meta.reqs[i] for i in decided], counts[decided]
-        keep = live[decided]
-        if keep.all():
-            if dcounts.any():
-                self.table.evict_flat(reqs, tids, dcounts)
-        elif dcounts[keep].any():
-            off = np.concatenate([[0], np.cumsum(dcounts)])
-            idx = np.flatnonzero(keep)
-            self.table.evict_flat([reqs[i] for i in idx], np.concatenate([tids[off[i]: off[i + 1]] for i in idx]),
-                                  dcounts[idx])
-        self.num_applied += int(dcounts[keep].sum())
+        tids, dcounts = _csr_rows(rec.token_ids, rec.counts.astype(np.int64), decided)
+        reqs = [meta.reqs[i] for i in decided]
+        keep = (self.table.registry.generations_of(meta.reqs) == meta.generations)[decided]
+        live = np.flatnonzero(keep)  # finished / re-registered since: nothing to evict on the host
+        live_ids, live_counts = _csr_rows(tids, dcounts, live)
+        if live_counts.any():
+            self.table.evict_flat([reqs[i] for i in live], live_ids, live_counts)
+        self.num_applied += int(live_counts.sum())
         if debug_checks_enabled() and rec.emptied_overflow == 0 and meta.step == self.steps - 1:
             self._check_emptied(rec)  # only one step late: later appends may have refilled a kept tail block
         return AppliedRecord(reqs, meta.seq_lens[decided], dcounts, tids.astype(np.int64), meta.step, self.steps, keep)
@@ -354,10 +349,10 @@ class DecisionLoop:
         pending: dict = {}
         for rec in self.ring.peek():
             current = self.table.registry.generations_of(rec.meta.reqs)
-            ends = np.cumsum(rec.counts.astype(np.int64))
+            counts = rec.counts.astype(np.int64)
             for i, req in enumerate(rec.meta.reqs):
-                if current[i] == rec.meta.generations[i] and rec.counts[i]:
-                    ids = rec.token_ids[ends[i] - rec.counts[i]: ends[i]].astype(np.int64)
+                if current[i] == rec.meta.generations[i] and counts[i]:
+                    ids = _csr_rows(rec.token_ids, counts, np.array([i]))[0].astype(np.int64)
                     pending[req] = np.concatenate([pending.get(req, ids[:0]), ids])
         return pending
 

@@ -22,15 +22,20 @@ from __future__ import annotations
 import torch
 
 
+def padded_batch_sizes(max_reqs: int) -> tuple:
+    """The batch sizes graphs are captured at: powers of two below ``max_reqs``, then ``max_reqs``."""
+    sizes, b = [], 1
+    while b < max_reqs:
+        sizes.append(b)
+        b *= 2
+    return tuple(sizes + [max_reqs])
+
+
 class StepGraphs:
     """Captured device steps of one decision loop, keyed by padded batch size."""
 
     def __init__(self, max_reqs: int):
-        sizes, b = [], 1
-        while b < max_reqs:
-            sizes.append(b)
-            b *= 2
-        self.sizes = tuple(sizes + [max_reqs])
+        self.sizes = padded_batch_sizes(max_reqs)
         self._graphs: dict = {}
         self._warm: set = set()
         self._pool = None

@@ -49,8 +49,7 @@ class ShippedRecord:
     host: torch.Tensor  # int32 [record_size], pinned on CUDA
     event: Any  # torch.cuda.Event, or None on CPU (ready at once)
     meta: Any  # the caller's per-step context (requests, generations, decision keys)
-    max_reqs: int  # the geometry the record was written with
-    victim_capacity: int
+    victim_capacity: int  # the geometry the record was written with (max_reqs never changes)
 
 
 @dataclass(frozen=True)
@@ -135,7 +134,7 @@ class VictimRing:
         else:
             host.copy_(self.record[:n])
             event = None
-        self._in_flight.append(ShippedRecord(host, event, meta, self.max_reqs, self.victim_capacity))
+        self._in_flight.append(ShippedRecord(host, event, meta, self.victim_capacity))
 
     def next_ready(self) -> Optional[VictimRecord]:
         """The oldest shipped record if its copy completed (never blocks), else None. It stays queued
@@ -167,11 +166,10 @@ class VictimRing:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
-    @staticmethod
-    def _decode(rec: ShippedRecord) -> VictimRecord:
+    def _decode(self, rec: ShippedRecord) -> VictimRecord:
         h = rec.host.numpy()  # decoded with the geometry it was shipped with
         nv, deferred, nb, b_over = (int(x) for x in h[:HEADER])
-        v0 = HEADER + rec.max_reqs
+        v0 = self.victims_offset
         b0 = v0 + rec.victim_capacity
         counts = h[HEADER : HEADER + rec.meta.num_reqs].copy()
         return VictimRecord(counts, h[v0 : v0 + nv].copy(), h[b0 : b0 + nb].copy(), deferred, b_over, rec.meta)

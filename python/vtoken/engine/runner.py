@@ -54,6 +54,7 @@ from vtoken.engine.model import LlamaModel, ModelOutput, StepInputs
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int
 from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
+from vtoken.step_graphs import padded_batch_sizes
 from vtoken.table import TokenTable
 
 PAD = PAD_SLOT
@@ -118,11 +119,7 @@ class RunnerConfig:
         if self.max_kv_indices < 1:
             raise InvalidArgumentError(f"max_kv_indices: expected >= 1, got {self.max_kv_indices}")
         if self.graph_batch_sizes is None:
-            sizes, b = [], 1
-            while b < self.max_num_reqs:
-                sizes.append(b)
-                b *= 2
-            self.graph_batch_sizes = tuple(sizes + [self.max_num_reqs])
+            self.graph_batch_sizes = padded_batch_sizes(self.max_num_reqs)
         sizes = tuple(sorted(set(int(b) for b in self.graph_batch_sizes)))
         if not sizes or sizes[0] < 1 or sizes[-1] > self.max_num_reqs:
             raise InvalidArgumentError(
