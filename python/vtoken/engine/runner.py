@@ -40,6 +40,7 @@ Example (CPU, tiny random model)::
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Hashable, Optional, Protocol, Sequence
 
@@ -160,9 +161,10 @@ class StepResult:
     window_votes: Optional[torch.Tensor] = None
     graph: bool = False
 
-    @property
+    @functools.cached_property
     def window_scores(self) -> Optional[list]:
-        """Host float32 ``[n_live_r, num_kv_heads]`` per request: :attr:`window_votes` split (one copy)."""
+        """Host float32 ``[n_live_r, num_kv_heads]`` per request: :attr:`window_votes` split (one copy, cached:
+        callers index it per request)."""
         if self.window_votes is None:
             return None
         votes = self.window_votes.cpu().numpy()
