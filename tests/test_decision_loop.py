@@ -196,6 +196,65 @@ def test_records_of_finished_or_reregistered_requests_are_skipped():
     pair.a.check_invariants()
 
 
+DEFER_CONFIGS = [c for c in CONFIGS if c[0] != "snapkv"]
+
+
+@pytest.mark.parametrize("name,cfg", DEFER_CONFIGS, ids=[n for n, _ in DEFER_CONFIGS])
+def test_a_deferred_chunked_prompt_decides_as_one_unchunked_prefill(name, cfg):
+    """Prompt chunks with ``defer`` evict nothing and fold their masses: decisions equal an unchunked prefill's."""
+    rng = np.random.default_rng(11)
+    prompt, chunks = 23, {0: [8, 8, 7], 1: [5, 10, 8]}  # two chunkings in one batch
+    runs = []
+    for chunked in (False, True):
+        table = TokenTable(BlockLedger(BlockPool(NB), block_size=S))
+        mirror = DeviceMirror(table, "cpu", initial_tokens=64, min_slack=4)
+        bufs = SlotListBuffers(max_reqs=2, nnz_max=NB * S, max_tokens=4096)
+        loop = DecisionLoop(P.get(name, **cfg), mirror, num_blocks=NB, block_size=S, max_reqs=2)
+        for r in (0, 1):
+            table.add_request(r)
+        runs.append((table, mirror, bufs, loop))
+    # Per (request, key), the mass each chunk's queries give; they reach only the keys computed by
+    # then (causal), so zero past those. Exact in float32 whatever the summation order.
+    ends = {r: np.cumsum(chunks[r]) for r in (0, 1)}
+    parts = {r: [np.where(np.arange(prompt) < e, _masses(rng, prompt, True), 0).astype(np.float32) for e in ends[r]]
+             for r in (0, 1)}
+
+    def step(run, counts, masses, num_new, defer):
+        table, mirror, bufs, loop = run
+        loop.drain()
+        assert table.sync_new_tokens_batch([0, 1], counts) is not None
+        mirror.build(bufs, [0, 1], counts)
+        indptr = bufs.kv_indptr_host[:3]
+        for i in (0, 1):
+            lo, hi = int(indptr[i]), int(indptr[i + 1])
+            mp = int(bufs.mirror_starts[i]) + bufs.kv_pos[lo:hi].to(torch.int64)
+            if loop.token_mass is not None:
+                loop.token_mass[mp] += torch.from_numpy(masses[i][: hi - lo])
+        seq = np.array([table.num_tokens(r) for r in (0, 1)])
+        loop.decide([0, 1], bufs, seq_lens=seq, num_new=np.asarray(num_new), defer=np.asarray(defer))
+
+    whole, chunked = runs
+    step(whole, [prompt, prompt], [sum(parts[r]) for r in (0, 1)], [prompt, prompt], [False, False])
+    for k in range(3):
+        last = k == 2
+        counts = [chunks[r][k] for r in (0, 1)]
+        masses = [parts[r][k][: ends[r][k]] for r in (0, 1)]
+        step(chunked, counts, masses, [prompt if last else c for c in counts], [not last, not last])
+        if not last:
+            chunked[3].drain_all()
+            assert [chunked[0].live_count(r) for r in (0, 1)] == [ends[0][k], ends[1][k]]  # nothing evicted mid-prompt
+    for t in range(6):  # decode steps: the same masses in both runs
+        m = [_masses(rng, 64, bool(t % 2)) for _ in (0, 1)]
+        for run in runs:
+            n_live = [run[0].live_count(r) for r in (0, 1)]
+            step(run, [1, 1], [m[0][: n_live[0] + 1], m[1][: n_live[1] + 1]], [1, 1], [False, False])
+    for run in runs:
+        run[3].drain_all()
+    for r in (0, 1):
+        assert np.array_equal(whole[0].live_ids(r), chunked[0].live_ids(r)), r
+    assert whole[3].num_applied == chunked[3].num_applied > 0
+
+
 def test_decide_rejects_bad_arguments_before_changing_anything():
     rng = np.random.default_rng(6)
     pair = Pair(P.get("h2o", budget=4, window=1), 2, rng)

@@ -32,8 +32,8 @@ def model_dir(tmp_path_factory):
     return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
 
 
-def extra(mode, policy="h2o", policy_config=H2O, reclaim=AGGRESSIVE):
-    out = {"mode": mode, "check_invariants": True}
+def extra(mode, policy="h2o", policy_config=H2O, reclaim=AGGRESSIVE, **more):
+    out = {"mode": mode, "check_invariants": True, **more}
     if mode != "native":
         out.update(policy=policy, policy_config=dict(policy_config), reclaim=dict(reclaim))
     return out
@@ -45,11 +45,12 @@ def prompts(n, lo, hi, seed=0):
 
 
 def setup(model_dir, mode, *, num_blocks=128, prefix_caching=True, n=4, lo=60, hi=100, max_tokens=40, seed=0,
-          max_num_seqs=8, **kw):
+          max_num_seqs=8, max_num_batched_tokens=2048, **kw):
     from vllm_sched_harness import FakeWorker, make_request, make_scheduler
 
     sched = make_scheduler(model_dir, block_size=BS, num_blocks=num_blocks, prefix_caching=prefix_caching,
-                           max_num_seqs=max_num_seqs, extra=extra(mode, **kw))
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           extra=extra(mode, **kw))
     for i, p in enumerate(prompts(n, lo, hi, seed)):
         sched.add_request(make_request(f"r{i}", p, max_tokens, BS))
     return sched, FakeWorker(sched, seed=seed)
@@ -320,10 +321,9 @@ def test_hashes_of_changed_blocks_are_dropped(model_dir):
             if st.taint_tokens is None:
                 continue
             blocks = side.stm.req_to_blocks[rid]
-            ncached = side.stm.num_cached_block.get(rid, 0)
-            for p in range(st.taint_tokens // BS, ncached):
-                assert blocks[p].is_null or blocks[p].block_hash is None
-                checked_taint += 1
+            for b in blocks[st.taint_tokens // BS :]:  # tainted: never hashed, even once full
+                assert b.is_null or b.block_hash is None
+                checked_taint += int(not b.is_null)
             clean = [b for b in blocks[: st.taint_tokens // BS] if not b.is_null and b.block_id not in dests]
             assert all(b.block_hash is not None for b in clean)  # untouched prompt blocks keep theirs
         for b in dests:
@@ -348,7 +348,7 @@ def test_native_mode_keeps_every_hash(model_dir):
     assert side.summary()["evicted_tokens"] == 0 and side.alloc.hashes_dropped == 0
 
 
-def test_backpressure_holds_new_admissions_while_reclamation_is_pending(model_dir):
+def test_admission_query_is_side_effect_free_and_never_holds_a_request_back(model_dir):
     from vllm_sched_harness import make_request
 
     sched, fw = setup(model_dir, "vtoken", n=3, max_tokens=64)
@@ -357,13 +357,76 @@ def test_backpressure_holds_new_admissions_while_reclamation_is_pending(model_di
         fw.step()
         if side.manager.pending:
             break
-    assert side.manager.pending
+    assert side.manager.pending  # reclamation pending at low memory: the old backpressure case
     sched.add_request(make_request("late", prompts(1, 40, 40, seed=7)[0], 8, BS))
-    assert sched.connector.get_num_new_matched_tokens(sched.requests["late"], 0) == (None, False)
+    before = (side.summary(), side.manager.trigger.pending, dict(side._admitting))
+    for _ in range(3):
+        assert sched.connector.get_num_new_matched_tokens(sched.requests["late"], 0) == (0, False)
+    assert (side.summary(), side.manager.trigger.pending, dict(side._admitting)) == before
     so = fw.step()
-    assert "late" not in so.num_scheduled_tokens and side.summary()["backpressure_skips"] >= 2
-    fw.run()  # admitted once the pressure is gone
-    assert "late" not in sched.requests and side.table.requests() == []
+    assert "late" in so.num_scheduled_tokens
+    fw.run()
+    assert side.table.requests() == []
+
+
+def test_no_eviction_before_the_whole_prompt_is_computed(model_dir):
+    """Chunked prefill: a request becomes evictable only once its last prompt chunk is computed."""
+    sched, fw = setup(model_dir, "vtoken", n=4, lo=150, hi=250, max_tokens=32, num_blocks=160,
+                      max_num_seqs=4, max_num_batched_tokens=64)
+    side = side_of(sched)
+    evictions, chunked = [], set()
+    prompt_len = {rid: r.num_prompt_tokens for rid, r in sched.requests.items()}
+    real_evict = side.table.evict
+
+    def spy(rid, victims):
+        evictions.append((rid, side.table.num_tokens(rid), prompt_len[rid]))
+        return real_evict(rid, victims)
+
+    side.table.evict = spy
+    while sched.has_unfinished_requests():
+        so = fw.step()
+        for rid, n in so.num_scheduled_tokens.items():
+            if 0 < n < prompt_len[rid]:
+                chunked.add(rid)
+    assert len(chunked) == 4 and len(evictions) > 0
+    assert all(have >= prompt for _, have, prompt in evictions), evictions[:4]
+    assert side.summary()["evicted_tokens"] > 0
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_tainted_blocks_are_never_hashed_so_a_same_schedule_admission_cannot_hit_them(model_dir, drop):
+    """A block a decode step fills after the first eviction gets no hash in the very schedule that fills it.
+
+    vLLM hashes the block in ``allocate_slots`` of the running request, then
+    admits the waiting ones in the same ``schedule()``: a new request whose
+    prompt is the running request's whole sequence would hit that block.
+    """
+    from vllm_sched_harness import make_request
+
+    h2o_sink = {"budget": 0.5, "window": 8, "sink": BS}  # block 0 survives: its hash stays, a hit is possible
+    sched, fw = setup(model_dir, "naive", n=1, lo=80, hi=80, max_tokens=200, policy_config=h2o_sink,
+                      reclaim={}, drop_tainted_hashes=drop)
+    side = side_of(sched)
+    a = sched.requests["r0"]
+    for _ in range(200):
+        st = side._reqs.get("r0")
+        # The next schedule fills a block that starts at or after the first tainted token.
+        if st is not None and st.taint_tokens is not None and a.num_tokens % BS == 0 \
+                and a.num_tokens - BS >= -(-st.taint_tokens // BS) * BS:
+            break
+        fw.step()
+    taint = side._reqs["r0"].taint_tokens
+    assert taint is not None and taint >= a.num_prompt_tokens
+    sched.add_request(make_request("copy", list(a.all_token_ids) + [7, 8, 9], 4, BS))
+    so = fw.step()
+    new = {d.req_id: d for d in so.scheduled_new_reqs}
+    hit = new["copy"].num_computed_tokens
+    assert hit >= BS  # the clean prompt blocks are still shared
+    if drop:
+        assert hit <= taint // BS * BS
+    else:  # the same schedule hashed the tainted block and the copy hit it: what the default prevents
+        assert hit > taint
+    fw.run()
 
 
 def test_preemption_drops_the_request_and_its_blocks(model_dir):

@@ -10,6 +10,9 @@ run keeps the runs independent. All runs are greedy, on token-id prompts.
   the outputs (the attention reads only live tokens);
 - (c) a long run with many requests, admission pressure and preemptions
   leaks no block: the pool is full again at the end;
+- (e) outputs do not depend on how prompts are chunked: a small
+  ``max_num_batched_tokens`` splits every prefill, naive gives the tokens of
+  whole prefills, and vtoken those of naive (no eviction mid-prefill);
 - (d) tensor parallel 2 (two CPU workers over gloo) gives the tokens, the
   evictions and the relocations of tensor parallel 1: the ranks' attention
   scores are summed, every rank copies its own KV heads.
@@ -116,6 +119,23 @@ def test_c_long_run_with_many_requests_leaks_no_block(model_dir):
     # Every block is back: vLLM's free queue plus vtoken's stash, then the stash too.
     assert r["free_blocks_end"] + r["headroom_held_end"] == r["num_gpu_blocks"] - 1
     assert r["free_blocks_after_shutdown"] == r["num_gpu_blocks"] - 1
+
+
+def test_e_outputs_do_not_depend_on_prefill_chunking(model_dir):
+    # NOTE: distinct prompts: a prefix-cache hit skips the hit tokens' own queries, so
+    # the scores a policy sees depend on how long the hit is, which chunking changes.
+    base = {"model_dir": model_dir, "make_model": False, **PROMPTS, "duplicate": [], "block_size": 16, **H2O,
+            "reclaim": RECLAIM}
+    whole = run_vllm({**base, "mode": "naive"})
+    # Every prompt (60-100 tokens) is prefilled in 2-3 chunks.
+    naive = run_vllm({**base, "mode": "naive", "max_num_batched_tokens": 40})
+    vt = run_vllm({**base, "mode": "vtoken", "max_num_batched_tokens": 40})
+    print("\nvLLM e2e chunked:", json.dumps({k: {"stats": v["stats"]} for k, v in (("naive", naive), ("vtoken", vt))}))
+    assert naive["stats"]["steps"] > whole["stats"]["steps"]  # the prefills really were split
+    assert naive["outputs"] == whole["outputs"]
+    assert vt["outputs"] == naive["outputs"]
+    assert vt["stats"]["evicted_tokens"] == naive["stats"]["evicted_tokens"] > 0
+    assert vt["stats"]["relocations"] > 0
 
 
 @pytest.mark.slow

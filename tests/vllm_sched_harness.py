@@ -17,7 +17,8 @@ NUM_KV_HEADS, HEAD_DIM = 2, 8
 
 
 def make_scheduler(model_dir: str, *, block_size: int = 16, num_blocks: int = 64, max_num_seqs: int = 8,
-                   max_model_len: int = 1024, prefix_caching: bool = True, extra: dict | None = None):
+                   max_model_len: int = 1024, prefix_caching: bool = True, extra: dict | None = None,
+                   max_num_batched_tokens: int = 2048):
     """A vLLM ``Scheduler`` bound to a vtoken connector (scheduler role)."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
@@ -30,7 +31,8 @@ def make_scheduler(model_dir: str, *, block_size: int = 16, num_blocks: int = 64
         kvt = KVTransferConfig(kv_connector="VTokenConnector", kv_connector_module_path="vtoken.integrations.vllm.connector",
                                kv_role="kv_both", kv_connector_extra_config=extra)
     args = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="float32", block_size=block_size,
-                      max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
+                      max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens,
                       enable_prefix_caching=prefix_caching, enforce_eager=True, kv_transfer_config=kvt)
     cfg = args.create_engine_config()
     cfg.cache_config.num_gpu_blocks = num_blocks

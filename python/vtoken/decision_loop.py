@@ -52,6 +52,8 @@ from vtoken.step_graphs import StepGraphs
 from vtoken.victim_ring import VictimRing
 
 _NO_BUDGET = np.iinfo(np.int64).max  # a request that must not evict this step (e.g. it just finished)
+# Rows of the per-request argument buffer: seq_len, num_new, budget, step, seed, window vote, deferred.
+_NUM_ARGS = 7
 
 
 @dataclass
@@ -79,7 +81,7 @@ class AppliedRecord:
     token_ids: np.ndarray  # int64, CSR by request
     decided_step: int
     applied_step: int
-    applied: np.ndarray  # bool per request: evicted on the host (False: it finished or was re-registered since)
+    applied: np.ndarray  # bool per request: evicted on the host (False: finished or re-registered since, or no table)
 
     @property
     def num_victims(self) -> int:
@@ -109,7 +111,8 @@ class DecisionLoop:
         mirror: the device mirror the runner builds its slot lists from.
         num_blocks / block_size: the KV cache's geometry (slot = block * block_size + offset).
         max_reqs: most requests per step.
-        table: the host :class:`~vtoken.table.TokenTable` the victims go to (default: the mirror's).
+        table: the host :class:`~vtoken.table.TokenTable` the victims go to (default: the mirror's;
+            None when the mirror has none either: :meth:`drain` then only returns the decisions).
         victim_capacity: victims one step's record holds, default ``max(8 * max_reqs, 1024)``
             (it grows between steps when a step wanted more).
         block_capacity: emptied blocks one record holds, default ``max(2 * max_reqs, 256)``.
@@ -125,9 +128,9 @@ class DecisionLoop:
             raise InvalidTypeError(f"policy: expected an EvictionPolicy with a device path, got {type(policy).__name__}")
         self.policy = policy
         self.mirror = mirror
+        # None: the victims go elsewhere (a vLLM worker ships them to the scheduler's table): drain()
+        # returns them without evicting on the host.
         self.table = mirror.table if table is None else table
-        if self.table is None:
-            raise InvalidArgumentError("table: expected the host TokenTable the victims go to, got None")
         self.device = mirror.device
         self.num_blocks = check_int("num_blocks", num_blocks, min_value=1)
         self.block_size = check_int("block_size", block_size, min_value=1)
@@ -141,7 +144,7 @@ class DecisionLoop:
             raise InvalidArgumentError(f"cuda_graph: expected a CUDA mirror for graph capture, got device {self.device}")
         self.cuda_graph = bool(cuda_graph)
         self._graphs = StepGraphs(max_reqs)
-        self._args = torch.zeros(6, max_reqs, dtype=torch.int64, device=self.device)  # fixed per-request args
+        self._args = torch.zeros(_NUM_ARGS, max_reqs, dtype=torch.int64, device=self.device)  # fixed per-request args
         cap = mirror.slots.numel()
         self.state = DevicePolicyState.for_policy(policy, cap, self.device)
         self.scored = policy.score_source == "exact"
@@ -164,21 +167,29 @@ class DecisionLoop:
     # ------------------------------------------------------------------ layout
     def _follow_layout(self, source: torch.Tensor, size: int) -> None:
         self._graphs.invalidate()  # captured over the old buffers
+        old_capacity = self.state.capacity
         self.state.relayout(source)
-        # token_mass is all zero between steps (decide resets what attention wrote), so it needs no
-        # gather; it keeps its address unless the arena grew, so the runner's graphs over it stay valid.
-        if self.token_mass is not None and self.token_mass.numel() != size + 1:
+        if self.token_mass is None:
+            return
+        # Between steps token_mass holds only the deferred prompts' masses; they move with their
+        # tokens. It keeps its address unless the arena grew, so graphs captured over it stay valid.
+        src = torch.where(source < 0, old_capacity, source).to(self.device)
+        self.token_mass[old_capacity] = 0  # the trash slot doubles as the zero source
+        moved = self.token_mass[src]
+        if self.token_mass.numel() != size + 1:
             self.token_mass = torch.zeros(size + 1, dtype=torch.float32, device=self.device)
+        self.token_mass[:size].copy_(moved)
+        self.token_mass[size] = 0
 
     # ------------------------------------------------------------------ device side
-    def _stage(self, n: int, seq_lens, num_new, reqs, done, window) -> None:
+    def _stage(self, n: int, seq_lens, num_new, reqs, done, window, defer) -> None:
         """The step's per-request arguments into the fixed device buffer ``_args`` (one async H2D copy)."""
-        budget = np.where(done, _NO_BUDGET, self.policy.budget.resolve_many(seq_lens))
+        budget = np.where(done | defer, _NO_BUDGET, self.policy.budget.resolve_many(seq_lens))
         seeds = self._seeds(reqs) if self._keyed else 0
-        host = np.zeros((6, self.max_reqs), dtype=np.int64)  # zeros past n: padding requests evict nothing
+        host = np.zeros((_NUM_ARGS, self.max_reqs), dtype=np.int64)  # zeros past n: padding requests evict nothing
         host[0, :n], host[1, :n], host[2, :n], host[3, :n], host[4, :n] = seq_lens, num_new, budget, seq_lens, seeds
-        host[5, :n] = window
-        self._args.copy_(self.mirror.deltas.to_device(host.reshape(-1)).view(6, -1), non_blocking=True)
+        host[5, :n], host[6, :n] = window, defer
+        self._args.copy_(self.mirror.deltas.to_device(host.reshape(-1)).view(_NUM_ARGS, -1), non_blocking=True)
 
     def _batch(self, slot_lists, num_reqs: int) -> DeviceBatch:
         args = self._args
@@ -188,32 +199,41 @@ class DecisionLoop:
             request_seed=args[4], window_step=args[5] != 0,
         )
 
-    def decide(self, reqs: Sequence, slot_lists, *, seq_lens, num_new, done=None,
+    def decide(self, reqs: Sequence, slot_lists, *, seq_lens, num_new, done=None, defer=None,
                window_scores: Optional[torch.Tensor] = None) -> None:
         """Decide, kill and ship this step's victims for the batch ``reqs`` (as built into ``slot_lists``).
 
         ``seq_lens`` / ``num_new``: host int arrays per request (tokens so far,
         tokens new this step; the policy's protected tail). ``done``: bool per
-        request that must not evict (finished this step). ``window_scores``:
-        float ``[nnz_max, H]`` window votes, rows as ``kv_pos`` (SnapKV's
-        prefill; its requests decide this step). No host sync.
+        request that must not evict (finished this step). ``defer``: bool per
+        request in the middle of its prompt: it evicts nothing, and its key
+        masses stay in :attr:`token_mass`, so the step that completes the
+        prompt (with ``num_new`` = the whole prompt) gives the policy ONE
+        update for it, whatever the chunking. ``window_scores``: float
+        ``[nnz_max, H]`` window votes, rows as ``kv_pos`` (SnapKV's prefill;
+        its requests decide this step). No host sync.
         """
-        reqs, seq_lens, num_new, done = self._check_step(reqs, slot_lists, seq_lens, num_new, done, window_scores)
+        reqs, seq_lens, num_new, done, defer = self._check_step(reqs, slot_lists, seq_lens, num_new, done, defer,
+                                                                 window_scores)
         n = len(reqs)
         if window_scores is not None:  # SnapKV decides once: its record holds every possible victim
             if self.ring.grow(min_victims=int(slot_lists.kv_indptr_host[n])):
                 self._graphs.invalidate()
-        self._stage(n, seq_lens, num_new, reqs, done, np.full(n, window_scores is not None, dtype=np.int64))
+        self._stage(n, seq_lens, num_new, reqs, done, np.full(n, window_scores is not None, dtype=np.int64), defer)
         self.mirror.flush()  # pending host deltas land first (never inside a captured graph)
         if self.cuda_graph and window_scores is None:
             self._graphs.run(self, slot_lists, n)
         else:
             self._device_step(slot_lists, n, window_scores)
-        meta = StepMeta(self.steps, reqs, self.table.registry.generations_of(reqs), seq_lens.copy(), done)
+        meta = StepMeta(self.steps, reqs, self._generations(reqs), seq_lens.copy(), done | defer)
         self.ring.ship(meta)
         self.steps += 1
 
-    def _check_step(self, reqs, slot_lists, seq_lens, num_new, done, window_scores) -> tuple:
+    def _generations(self, reqs) -> np.ndarray:
+        # Without a host table nothing is skipped at drain (the receiver keeps its own registrations).
+        return np.zeros(len(reqs), np.int64) if self.table is None else self.table.registry.generations_of(reqs)
+
+    def _check_step(self, reqs, slot_lists, seq_lens, num_new, done, defer, window_scores) -> tuple:
         """Every argument of :meth:`decide`, checked before anything changes (typed errors naming it)."""
         reqs = list(reqs)
         n = len(reqs)
@@ -231,6 +251,9 @@ class DecisionLoop:
         done = np.zeros(n, dtype=bool) if done is None else np.asarray(done)
         if done.dtype != np.bool_ or done.shape != (n,):
             raise InvalidArgumentError(f"done: expected {n} bools, got {done.dtype} {done.shape}")
+        defer = np.zeros(n, dtype=bool) if defer is None else np.asarray(defer)
+        if defer.dtype != np.bool_ or defer.shape != (n,):
+            raise InvalidArgumentError(f"defer: expected {n} bools, got {defer.dtype} {defer.shape}")
         if window_scores is not None:
             if self.policy.score_source != "window":
                 raise InvalidArgumentError(f"window_scores: expected None for policy {self.policy.name!r} "
@@ -239,7 +262,7 @@ class DecisionLoop:
             if window_scores.shape[0] != slot_lists.nnz_max or not window_scores.dtype.is_floating_point:
                 raise InvalidArgumentError(f"window_scores: expected float [{slot_lists.nnz_max}, H] (rows as kv_pos), "
                                            f"got {window_scores.dtype} {tuple(window_scores.shape)}")
-        return reqs, seq_lens, num_new, done
+        return reqs, seq_lens, num_new, done, defer
 
     def _device_step(self, slot_lists, num_reqs: int, window_scores=None) -> None:
         """Everything on the device (fixed shapes, no host read): capturable in a CUDA graph."""
@@ -247,8 +270,10 @@ class DecisionLoop:
         mp = batch.mirror_pos(self.state.capacity)
         if self.scored:
             mass = self.token_mass[mp]
-            self.token_mass.index_fill_(0, mp, 0.0)
-            self.state.update(batch, mass)
+            # A deferred request's masses stay where attention added them (summed over its prompt chunks).
+            taken = batch.per_entry(self._args[6], 0) == 0
+            self.token_mass.index_copy_(0, mp, torch.where(taken, 0.0, mass))
+            self.state.update(batch, mass, entries=taken)
         if window_scores is not None:
             self.policy.record_votes_device(self.state, batch, window_scores)
         mask, _ = self.policy.select_victims_device(self.state, batch)
@@ -334,9 +359,12 @@ class DecisionLoop:
         decided = np.flatnonzero(~meta.done)
         tids, dcounts = _csr_rows(rec.token_ids, rec.counts.astype(np.int64), decided)
         reqs = [meta.reqs[i] for i in decided]
-        keep = (self.table.registry.generations_of(meta.reqs) == meta.generations)[decided]
+        keep = (self._generations(meta.reqs) == meta.generations)[decided]
         live = np.flatnonzero(keep)  # finished / re-registered since: nothing to evict on the host
         live_ids, live_counts = _csr_rows(tids, dcounts, live)
+        if self.table is None:
+            return AppliedRecord(reqs, meta.seq_lens[decided], dcounts, tids.astype(np.int64), meta.step, self.steps,
+                                 np.zeros(len(reqs), dtype=bool))
         if live_counts.any():
             self.table.evict_flat([reqs[i] for i in live], live_ids, live_counts)
         self.num_applied += int(live_counts.sum())
@@ -348,7 +376,7 @@ class DecisionLoop:
         """{request: token ids} killed on the device and not yet applied on the host (debug checks: syncs)."""
         pending: dict = {}
         for rec in self.ring.peek():
-            current = self.table.registry.generations_of(rec.meta.reqs)
+            current = self._generations(rec.meta.reqs)
             counts = rec.counts.astype(np.int64)
             for i, req in enumerate(rec.meta.reqs):
                 if current[i] == rec.meta.generations[i] and counts[i]:

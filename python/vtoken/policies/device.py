@@ -277,21 +277,32 @@ class DevicePolicyState:
             setattr(self, name, torch.cat([buf[src], buf[-1:]]))
         self.capacity = source.numel()
 
-    def update(self, batch: DeviceBatch, key_scores: torch.Tensor) -> None:
-        """Add one step's scores: ``key_scores`` float [nnz_max, num_kv_heads] or [nnz_max], rows as kv_pos."""
+    def update(self, batch: DeviceBatch, key_scores: torch.Tensor, entries: Optional[torch.Tensor] = None) -> None:
+        """Add one step's scores: ``key_scores`` float [nnz_max, num_kv_heads] or [nnz_max], rows as kv_pos.
+
+        ``entries`` (bool [nnz_max], optional): only these entries take the
+        update; the others keep their state (a request mid-prompt).
+        """
         if not isinstance(key_scores, torch.Tensor) or not key_scores.dtype.is_floating_point:
             raise InvalidTypeError(f"key_scores: expected a floating-point tensor, got {key_scores!r:.60}")
         if key_scores.dim() not in (1, 2) or key_scores.shape[0] != batch.nnz_max:
             raise InvalidArgumentError(f"key_scores: expected [{batch.nnz_max}] or [{batch.nnz_max}, H] "
                                        f"(rows as kv_pos), got {tuple(key_scores.shape)}")
+        if entries is not None and (entries.dtype != torch.bool or tuple(entries.shape) != (batch.nnz_max,)):
+            raise InvalidArgumentError(f"entries: expected bool [{batch.nnz_max}], got {entries.dtype} "
+                                       f"{tuple(entries.shape)}")
         valid = batch.valid
         row = key_scores.to(torch.float64)
         row = torch.where(valid, row.sum(1) if row.dim() == 2 else row, 0.0)  # padding rows may be garbage
         fresh, mp = batch.fresh(), batch.mirror_pos(self.capacity)
+
+        def put(state: torch.Tensor, new: torch.Tensor) -> None:
+            state.index_copy_(0, mp, new if entries is None else torch.where(entries, new, state[mp]))
+
         if self.accumulated is not None:
-            self.accumulated.index_copy_(0, mp, torch.where(fresh, 0.0, self.accumulated[mp]) + row)
+            put(self.accumulated, torch.where(fresh, 0.0, self.accumulated[mp]) + row)
         if self.last is not None:
-            self.last.index_copy_(0, mp, row)
+            put(self.last, row)
         if self.history:
             # NOTE: the per-request sum runs in another order than numpy's pairwise sum, so a
             # token whose mean mass is 1/n to the last bit may be classified differently.
@@ -300,10 +311,8 @@ class DevicePolicyState:
             live = batch.per_entry(batch.live, 0).to(torch.float64)
             low = (row * live < total[batch.req]).to(torch.int64)  # mean mass below 1 / n_live
             keep = -1 if self.history == 64 else (1 << self.history) - 1
-            bits = ((torch.where(fresh, 0, self.low_bits[mp]) << 1) | low) & keep
-            self.low_bits.index_copy_(0, mp, bits)
-            seen = torch.clamp(torch.where(fresh, 0, self.seen[mp]) + 1, max=self.history)
-            self.seen.index_copy_(0, mp, seen)
+            put(self.low_bits, ((torch.where(fresh, 0, self.low_bits[mp]) << 1) | low) & keep)
+            put(self.seen, torch.clamp(torch.where(fresh, 0, self.seen[mp]) + 1, max=self.history))
 
     def low_fraction(self, mp: torch.Tensor) -> torch.Tensor:
         """float64: low records / updates seen in the window (0 when unseen), as ``ScoreAccumulator``."""

@@ -15,7 +15,7 @@ Keys (all optional):
                      ``headroom_blocks``, ``check_interval``,
                      ``max_src_per_plan``, ``max_moves_per_step``, ``min_gain``,
                      ``force_sync``, ``check_invariants``).
-``drop_tainted_hashes``  drop the prefix-cache hash of every block computed
+``drop_tainted_hashes``  never hash (for the prefix cache) a block computed
                      after a request's first eviction (default ``True``; see
                      docs/vllm.md, "Prefix caching").
 ``check_invariants`` run vtoken's invariant checks every step on both sides

@@ -9,9 +9,10 @@ Load it with::
 
 The scheduler role drives :class:`vtoken.integrations.vllm.scheduler.SchedulerSide`,
 the worker role :class:`vtoken.integrations.vllm.worker.WorkerSide`. vtoken
-moves no KV across processes or nodes: ``get_num_new_matched_tokens`` only
-reports 0 (or ``None`` to hold an admission back under backpressure), and the
-load / save hooks are used as the pre- and post-forward points of a step.
+moves no KV across processes or nodes: ``get_num_new_matched_tokens`` always
+reports 0 and touches no state, ``update_state_after_alloc`` records how many
+tokens an admitted request has, and the load / save hooks are used as the pre-
+and post-forward points of a step.
 """
 from __future__ import annotations
 
@@ -138,12 +139,11 @@ class VTokenConnector(KVConnectorBase_V1):
         self.scheduler_side.bind(kv_cache_manager)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        if self.scheduler_side.admission_blocked():
-            return None, False  # backpressure: the scheduler skips the request this step
+        # NOTE: no "None" (needs more time) under memory pressure: see docs/vllm.md, "Admission".
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        return
+        self.scheduler_side.note_admission(request.request_id, request.num_tokens)
 
     def build_connector_meta(self, scheduler_output) -> VTokenConnectorMetadata:
         return self.scheduler_side.build_meta(scheduler_output)

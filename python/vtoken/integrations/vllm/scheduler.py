@@ -3,8 +3,8 @@
 One :class:`SchedulerSide` lives in vLLM's engine-core process next to the
 ``KVCacheManager``. Per step (vLLM calls in this order):
 
-1. ``schedule()`` allocates blocks; :meth:`SchedulerSide.admission_blocked`
-   answers ``get_num_new_matched_tokens`` (backpressure).
+1. ``schedule()`` allocates blocks; :meth:`SchedulerSide.note_admission`
+   records the tokens of each request admitted (``update_state_after_alloc``).
 2. :meth:`SchedulerSide.build_meta` (``build_connector_meta``, the last call of
    ``schedule()``): forget preempted requests, mirror the step's new tokens and
    the blocks vLLM gave them into the token table (the adapter hands the table
@@ -40,6 +40,11 @@ from vtoken.ledger import OWNED, SHARED, BlockLedger
 from vtoken.pool import NULL_BLOCK
 from vtoken.table import TokenTable
 
+# vLLM's per-request count of hashed blocks, set past any length once a request
+# is tainted: its cache_blocks (allocate_slots, and the async scheduler's
+# output path) then hashes nothing more for it, within the same schedule too.
+NEVER_HASH_MORE = 1 << 62
+
 
 @dataclass
 class _Req:
@@ -49,8 +54,25 @@ class _Req:
     synced: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # vLLM list as vtoken last wrote it
     num_new: int = 0  # tokens appended this step
     scheduled_step: int = -1
+    prompt_tokens: int = 0  # tokens vLLM knew at admission: the prompt (plus outputs, when resumed)
+    prefill_done_step: Optional[int] = None  # the step that computed the last of them
     taint_tokens: Optional[int] = None  # tokens [taint_tokens, ...) were computed after the first eviction
-    hashes_checked: int = 0  # block positions below this were already cleared of tainted hashes
+    prefill_scores: Optional[np.ndarray] = None  # the prompt chunks' scores so far, summed
+
+    def fold_prefill_scores(self, scores: np.ndarray) -> np.ndarray:
+        """``scores`` plus the earlier prompt chunks' (zero-padded), which are then dropped.
+
+        NOTE: no eviction happens mid-prefill, and the policy sees ONE update for
+        the whole prompt (the chunks' scores summed), as for an unchunked
+        prefill: accumulators that count updates or keep the last one
+        (Scissorhands, TOVA) then do not depend on the chunking either.
+        """
+        prev, self.prefill_scores = self.prefill_scores, None
+        if prev is None:
+            return scores
+        out = scores.copy()
+        out[: prev.size] += prev
+        return out
 
 
 class SchedulerSide:
@@ -62,10 +84,11 @@ class SchedulerSide:
         self.reclaim_config = config.make_reclaim_config()
         self.step = 0
         self._reqs: dict = {}
+        self._admitting: dict = {}  # request id -> tokens known when vLLM allocated it this schedule
         self.bound = False
         self.stats = {
             "steps": 0, "evicted_tokens": 0, "relocations": 0, "plans": 0, "reclaimed_blocks": 0,
-            "naive_released_blocks": 0, "hashes_dropped": 0, "backpressure_skips": 0,
+            "naive_released_blocks": 0, "hashes_dropped": 0,
             "peak_blocks_in_use": 0, "sum_blocks_in_use": 0, "peak_blocks_held": 0, "sum_blocks_held": 0,
             "mirror_us": 0.0, "policy_us": 0.0, "reclaim_us": 0.0,
         }
@@ -103,13 +126,9 @@ class SchedulerSide:
         self.ledger.set_reserve(self.alloc.held)
 
     # -------------------------------------------------------------- admission
-    def admission_blocked(self) -> bool:
-        """Backpressure: hold new admissions while reclamation is pending at low memory."""
-        if not self.bound:
-            return False
-        blocked = self.manager.admission_budget().backpressure
-        self.stats["backpressure_skips"] += int(blocked)
-        return blocked
+    def note_admission(self, rid, num_tokens: int) -> None:
+        """vLLM allocated blocks for a waiting request (new or resumed) knowing ``num_tokens`` of its tokens."""
+        self._admitting[rid] = int(num_tokens)
 
     # -------------------------------------------------------------- per step
     def build_meta(self, so) -> VTokenConnectorMetadata:
@@ -147,12 +166,13 @@ class SchedulerSide:
             batch.append((rid, int(n), vids[lo:hi]))
             st.num_new = int(n)
             st.scheduled_step = self.step
+            if st.prefill_done_step is None and have + n >= st.prompt_tokens:
+                st.prefill_done_step = self.step
         self._mirror_batch(batch)
         t1 = time.perf_counter()
         self._reclaim()
         t2 = time.perf_counter()
-        if self.config.drop_tainted_hashes and self.pool.enable_caching:
-            self._drop_tainted_hashes()
+        self._admitting.clear()
         meta = VTokenConnectorMetadata(
             step=self.step,
             events=self.table.journal.take(self._reader),
@@ -203,7 +223,10 @@ class SchedulerSide:
             )
         with self.alloc.mirroring(()):
             self.table.add_request(rid, prefix_blocks=hits[:j])
-        st = _Req(acc=self.policy.make_accumulator() if self.policy is not None else None)
+        if rid not in self._admitting:
+            raise InvariantViolation(f"mirror: request {rid!r} was scheduled without an allocation for it this step")
+        st = _Req(acc=self.policy.make_accumulator() if self.policy is not None else None,
+                  prompt_tokens=self._admitting.pop(rid))
         st.synced = hits[:j].astype(np.int32)
         self._reqs[rid] = st
         if rest.size:
@@ -236,21 +259,6 @@ class SchedulerSide:
         apply_block_list(self.stm, self.pool, rid, new, st.synced)
         st.synced = new.astype(np.int32)
 
-    def _drop_tainted_hashes(self) -> None:
-        # NOTE: a token appended after a request's first eviction was computed by
-        # attention over a pruned context, so its K/V (from layer 1 on) differ
-        # from what the block's hash promises to a later request. vLLM hashes a
-        # position once it is full (num_cached_block); clear those hashes.
-        for rid, st in self._reqs.items():
-            if st.taint_tokens is None:
-                continue
-            ncached = int(self.stm.num_cached_block.get(rid, 0))
-            lo = max(st.taint_tokens // self.S, st.hashes_checked)
-            if ncached > lo:
-                ids = st.synced[lo:ncached]
-                self.stats["hashes_dropped"] += drop_hashes(self.pool, ids[ids != NULL_BLOCK].tolist())
-                st.hashes_checked = ncached
-
     def _sample_usage(self) -> None:
         in_use = int(self.pool.num_gpu_blocks) - 1 - int(self.pool.get_num_free_blocks())
         held = in_use - self.alloc.held
@@ -273,6 +281,7 @@ class SchedulerSide:
             if st.scheduled_step != step or rid not in self.table:
                 continue
             ids = self.table.live_ids(rid)
+            in_prefill = st.prefill_done_step is None or st.prefill_done_step > step
             if exact:
                 s = scores.get(rid)
                 if s is None:
@@ -281,8 +290,16 @@ class SchedulerSide:
                     raise InvariantViolation(
                         f"scores: request {rid!r} has {len(ids)} live tokens, the workers scored {len(s)}"
                     )
+                s = st.fold_prefill_scores(np.asarray(s, dtype=np.float32))
+                if in_prefill:
+                    st.prefill_scores = s  # nothing is dead mid-prefill: ids are 0..len(s)-1
+                    continue
                 st.acc.update(ids, s)
-            view = self.policy.view(rid, step, ids, seq_len=self.table.num_tokens(rid), num_new=st.num_new,
+            elif in_prefill:
+                continue
+            # The step that completes the prompt sees the whole prompt as new, as an unchunked prefill would.
+            num_new = st.prompt_tokens if st.prefill_done_step == step else st.num_new
+            view = self.policy.view(rid, step, ids, seq_len=self.table.num_tokens(rid), num_new=num_new,
                                     scores=st.acc)
             victims = self.policy.select_victims(view)
             if victims.size == 0:
@@ -292,11 +309,25 @@ class SchedulerSide:
             self.stats["naive_released_blocks"] += held - self.table.held_blocks(rid)
             self.stats["evicted_tokens"] += int(victims.size)
             if st.taint_tokens is None:
-                st.taint_tokens = self.table.num_tokens(rid)
+                self._taint(rid, st)
             self._sync(rid)
         self.stats["policy_us"] += (time.perf_counter() - t0) * 1e6
         if self.config.checking:
             self.check()
+
+    def _taint(self, rid, st: _Req) -> None:
+        """First eviction of ``rid``: every token it computes from now on saw a pruned context.
+
+        NOTE: such a block's K/V (from layer 1 on) differ from what its hash
+        promises another request. vLLM hashes a block when a schedule fills it
+        (``allocate_slots``), before a later admission of the same schedule
+        looks it up, so dropping the hash afterwards is too late: the request's
+        hashed-block count is set past any length instead, and vLLM hashes none
+        of its blocks again. Its blocks filled before this point keep theirs.
+        """
+        st.taint_tokens = self.table.num_tokens(rid)
+        if self.config.drop_tainted_hashes and self.pool.enable_caching:
+            self.stm.num_cached_block[rid] = NEVER_HASH_MORE
 
     def request_finished(self, rid) -> None:
         """vLLM is about to free the request's blocks: drop it from the table without freeing them."""
@@ -340,6 +371,13 @@ class SchedulerSide:
             refs = self.alloc.ref_count(live) if live.size else np.zeros(0)
             if (refs < 1).any():
                 raise InvariantViolation(f"surgery: request {rid!r} lists freed blocks {live[refs < 1][:8].tolist()}")
+            if st.taint_tokens is not None and self.config.drop_tainted_hashes:
+                hashed = [b.block_id for b in self.stm.req_to_blocks[rid][st.taint_tokens // self.S:]
+                          if not b.is_null and b.block_hash is not None]
+                if hashed:
+                    raise InvariantViolation(
+                        f"prefix cache: blocks {hashed[:8]} of {rid!r}, computed after its first eviction, carry a hash"
+                    )
 
     def summary(self) -> dict:
         """Counters plus the current pool state (for tests and logs)."""
