@@ -76,7 +76,7 @@ setup(
         # ninja: torch.utils.cpp_extension.load builds the test-only ops (csrc/testing/) with it.
         "test": ["pytest", "hypothesis", "transformers==5.19.0", "safetensors>=0.4", "ninja"],
         "bench": ["matplotlib", "rich", "tabulate", "nvidia-ml-py"],
-        "vllm": ["vllm==0.32.0"],
+        "vllm": ["vllm>=0.32.0,<0.33"],  # = vtoken.integrations.vllm.SUPPORTED_VLLM_SPEC; tested: 0.32.0
     },
     entry_points={
         "console_scripts": ["vtoken=vtoken.cli:main"],

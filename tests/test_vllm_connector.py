@@ -45,15 +45,15 @@ def prompts(n, lo, hi, seed=0):
 
 
 def setup(model_dir, mode, *, num_blocks=128, prefix_caching=True, n=4, lo=60, hi=100, max_tokens=40, seed=0,
-          max_num_seqs=8, max_num_batched_tokens=2048, **kw):
+          max_num_seqs=8, max_num_batched_tokens=2048, async_scheduling=False, **kw):
     from vllm_sched_harness import FakeWorker, make_request, make_scheduler
 
     sched = make_scheduler(model_dir, block_size=BS, num_blocks=num_blocks, prefix_caching=prefix_caching,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           extra=extra(mode, **kw))
+                           async_scheduling=async_scheduling, extra=extra(mode, **kw))
     for i, p in enumerate(prompts(n, lo, hi, seed)):
         sched.add_request(make_request(f"r{i}", p, max_tokens, BS))
-    return sched, FakeWorker(sched, seed=seed)
+    return sched, FakeWorker(sched, seed=seed, async_outputs=async_scheduling)
 
 
 def side_of(sched):
@@ -318,13 +318,13 @@ def test_hashes_of_changed_blocks_are_dropped(model_dir):
     while sched.has_unfinished_requests():
         fw.step()
         for rid, st in side._reqs.items():
-            if st.taint_tokens is None:
+            if not st.hashing_frozen:
                 continue
             blocks = side.stm.req_to_blocks[rid]
-            for b in blocks[st.taint_tokens // BS :]:  # tainted: never hashed, even once full
+            for b in blocks[st.prompt_tokens // BS :]:  # filled after the prompt: never hashed, even once full
                 assert b.is_null or b.block_hash is None
                 checked_taint += int(not b.is_null)
-            clean = [b for b in blocks[: st.taint_tokens // BS] if not b.is_null and b.block_id not in dests]
+            clean = [b for b in blocks[: st.prompt_tokens // BS] if not b.is_null and b.block_id not in dests]
             assert all(b.block_hash is not None for b in clean)  # untouched prompt blocks keep theirs
         for b in dests:
             assert side.pool.blocks[b].block_hash is None
@@ -374,32 +374,35 @@ def test_no_eviction_before_the_whole_prompt_is_computed(model_dir):
     sched, fw = setup(model_dir, "vtoken", n=4, lo=150, hi=250, max_tokens=32, num_blocks=160,
                       max_num_seqs=4, max_num_batched_tokens=64)
     side = side_of(sched)
-    evictions, chunked = [], set()
+    decided, chunked = [], set()
     prompt_len = {rid: r.num_prompt_tokens for rid, r in sched.requests.items()}
-    real_evict = side.table.evict
+    real_update = side.update_output
 
-    def spy(rid, victims):
-        evictions.append((rid, side.table.num_tokens(rid), prompt_len[rid]))
-        return real_evict(rid, victims)
+    def spy(worker_meta):
+        for dec in worker_meta.decisions:
+            # seq_len: the request's tokens when the worker decided (and killed) these victims
+            decided.extend((rid, seq_len, prompt_len[rid]) for rid, seq_len, _ in dec.rows())
+        return real_update(worker_meta)
 
-    side.table.evict = spy
+    side.update_output = spy
     while sched.has_unfinished_requests():
         so = fw.step()
         for rid, n in so.num_scheduled_tokens.items():
             if 0 < n < prompt_len[rid]:
                 chunked.add(rid)
-    assert len(chunked) == 4 and len(evictions) > 0
-    assert all(have >= prompt for _, have, prompt in evictions), evictions[:4]
+    assert len(chunked) == 4 and len(decided) > 0
+    assert all(seq_len > prompt for _, seq_len, prompt in decided), decided[:4]  # from the first decode step on
     assert side.summary()["evicted_tokens"] > 0
 
 
 @pytest.mark.parametrize("drop", [True, False])
-def test_tainted_blocks_are_never_hashed_so_a_same_schedule_admission_cannot_hit_them(model_dir, drop):
-    """A block a decode step fills after the first eviction gets no hash in the very schedule that fills it.
+def test_blocks_filled_after_the_prompt_are_never_hashed_so_a_same_schedule_admission_cannot_hit_them(model_dir, drop):
+    """A block a decode step fills gets no hash, not even in the schedule that fills it.
 
     vLLM hashes the block in ``allocate_slots`` of the running request, then
     admits the waiting ones in the same ``schedule()``: a new request whose
-    prompt is the running request's whole sequence would hit that block.
+    prompt is the running request's whole sequence would hit that block,
+    whose K/V were computed after evictions the scheduler learns only later.
     """
     from vllm_sched_harness import make_request
 
@@ -408,25 +411,66 @@ def test_tainted_blocks_are_never_hashed_so_a_same_schedule_admission_cannot_hit
                       reclaim={}, drop_tainted_hashes=drop)
     side = side_of(sched)
     a = sched.requests["r0"]
+    prompt = a.num_prompt_tokens
     for _ in range(200):
-        st = side._reqs.get("r0")
-        # The next schedule fills a block that starts at or after the first tainted token.
-        if st is not None and st.taint_tokens is not None and a.num_tokens % BS == 0 \
-                and a.num_tokens - BS >= -(-st.taint_tokens // BS) * BS:
+        # The next schedule fills a block that starts after the prompt, and evictions happened.
+        if side.summary()["evicted_tokens"] > 0 and a.num_tokens % BS == 0 and a.num_tokens - BS >= prompt:
             break
         fw.step()
-    taint = side._reqs["r0"].taint_tokens
-    assert taint is not None and taint >= a.num_prompt_tokens
+    assert side.summary()["evicted_tokens"] > 0 and a.num_tokens - BS >= prompt
     sched.add_request(make_request("copy", list(a.all_token_ids) + [7, 8, 9], 4, BS))
     so = fw.step()
     new = {d.req_id: d for d in so.scheduled_new_reqs}
     hit = new["copy"].num_computed_tokens
     assert hit >= BS  # the clean prompt blocks are still shared
     if drop:
-        assert hit <= taint // BS * BS
-    else:  # the same schedule hashed the tainted block and the copy hit it: what the default prevents
-        assert hit > taint
+        assert hit <= prompt // BS * BS
+    else:  # the same schedule hashed a block filled after the prompt and the copy hit it: what the default prevents
+        assert hit > prompt
     fw.run()
+
+
+def _decisions_of(sched):
+    """Wrap the scheduler side's update_output to collect every applied decision as {(rid, seq_len): ids}."""
+    side, out = side_of(sched), {}
+    real = side.update_output
+
+    def spy(worker_meta):
+        for dec in getattr(worker_meta, "decisions", ()):
+            for rid, seq_len, ids in dec.rows():
+                out[(rid, seq_len)] = ids.tolist()
+        return real(worker_meta)
+
+    side.update_output = spy
+    return out
+
+
+@pytest.mark.parametrize("mode", ["naive", "vtoken"])
+def test_async_scheduler_decides_and_reclaims_like_the_synchronous_one(model_dir, mode):
+    """vLLM's AsyncScheduler schedules step N+1 before step N's output (and decisions) arrive."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    runs = {}
+    for use_async in (False, True):
+        sched, fw = setup(model_dir, mode, n=6, lo=40, hi=120, max_tokens=48, num_blocks=96,
+                          max_num_batched_tokens=96, async_scheduling=use_async)
+        assert isinstance(sched, AsyncScheduler) == use_async
+        decisions = _decisions_of(sched)
+        fw.run()  # every step checks each live token's bytes at its table slot
+        side = side_of(sched)
+        assert side.table.requests() == [] and not fw.in_flight
+        assert fw.max_in_flight == (2 if use_async else 1)  # async: a step scheduled before the last output
+        listed, usable = pool_accounts(sched)
+        assert listed == usable  # no block leaked
+        side.ledger.check_conservation()
+        runs[use_async] = (decisions, side.summary(), fw.tokens)
+    (d_sync, s_sync, t_sync), (d_async, s_async, t_async) = runs[False], runs[True]
+    # The device kills a step's victims right after its forward in both: the same decisions, the same tokens.
+    assert d_async == d_sync and len(d_sync) > 0
+    assert t_async == t_sync
+    assert s_async["evicted_tokens"] == s_sync["evicted_tokens"] > 0
+    if mode == "vtoken":
+        assert s_async["relocations"] > 0 and s_async["reclaimed_blocks"] > 0
 
 
 def test_preemption_drops_the_request_and_its_blocks(model_dir):
@@ -462,16 +506,24 @@ def test_request_preempted_then_aborted_before_the_next_step_frees_nothing_twice
 
 
 # --------------------------------------------------------------------------- worker side pieces
-def test_worker_metadata_aggregates_by_summing():
-    from vtoken.integrations.vllm.meta import VTokenWorkerMetadata
+def test_worker_metadata_aggregates_the_ranks_reports_by_step():
+    from vtoken.errors import InvariantViolation
+    from vtoken.integrations.vllm.meta import StepDecisions, VTokenWorkerMetadata
 
-    a = VTokenWorkerMetadata(3, {"x": np.array([1.0, 2.0], np.float32)})
-    b = VTokenWorkerMetadata(3, {"x": np.array([0.5, 0.5], np.float32), "y": np.array([1.0], np.float32)})
+    def dec(step, ids):
+        return StepDecisions(step, ("x",), np.array([20], np.int32), np.array([len(ids)], np.int32),
+                             np.array(ids, np.int32))
+
+    # Rank 0's record of step 4 reached its host, rank 1's did not yet: the union, in step order.
+    a = VTokenWorkerMetadata(5, [dec(3, [1, 2]), dec(4, [5])])
+    b = VTokenWorkerMetadata(5, [dec(3, [1, 2])])
     c = a.aggregate(b)
-    assert c.scores["x"].tolist() == [1.5, 2.5] and c.scores["y"].tolist() == [1.0]
-    assert a.scores["x"].tolist() == [1.0, 2.0]
+    assert [d.step for d in c.decisions] == [3, 4] and c.nbytes == a.nbytes
+    assert [d.step for d in b.aggregate(a).decisions] == [3, 4]
+    with pytest.raises(InvariantViolation, match="decided step 3 differently"):
+        a.aggregate(VTokenWorkerMetadata(5, [dec(3, [1, 7])]))
     with pytest.raises(ValueError, match="other.step"):
-        a.aggregate(VTokenWorkerMetadata(4, {}))
+        a.aggregate(VTokenWorkerMetadata(4, []))
 
 
 def test_worker_slot_lists_grow_past_physical_slots_for_shared_prefixes():

@@ -13,6 +13,9 @@ run keeps the runs independent. All runs are greedy, on token-id prompts.
 - (e) outputs do not depend on how prompts are chunked: a small
   ``max_num_batched_tokens`` splits every prefill, naive gives the tokens of
   whole prefills, and vtoken those of naive (no eviction mid-prefill);
+- (f) vLLM's async scheduling (the CPU platform's override lifted inside the
+  run): the AsyncScheduler schedules step N+1 before step N's output arrives;
+  naive == vtoken == the synchronous runs, and no block leaks;
 - (d) tensor parallel 2 (two CPU workers over gloo) gives the tokens, the
   evictions and the relocations of tensor parallel 1: the ranks' attention
   scores are summed, every rank copies its own KV heads.
@@ -136,6 +139,22 @@ def test_e_outputs_do_not_depend_on_prefill_chunking(model_dir):
     assert vt["outputs"] == naive["outputs"]
     assert vt["stats"]["evicted_tokens"] == naive["stats"]["evicted_tokens"] > 0
     assert vt["stats"]["relocations"] > 0
+
+
+def test_f_async_scheduling_gives_the_synchronous_tokens_and_leaks_nothing(model_dir, runs):
+    base = {"model_dir": model_dir, "make_model": False, **PROMPTS, "block_size": 16, **H2O, "reclaim": RECLAIM,
+            "async_scheduling": True}
+    naive = run_vllm({**base, "mode": "naive"})
+    vt = run_vllm({**base, "mode": "vtoken"})
+    print("\nvLLM e2e async:", json.dumps({k: {"stats": v["stats"]} for k, v in (("naive", naive), ("vtoken", vt))}))
+    assert naive["scheduler"] == vt["scheduler"] == "AsyncScheduler"
+    assert runs["vtoken"]["scheduler"] == "Scheduler"
+    assert vt["outputs"] == naive["outputs"] == runs["naive"]["outputs"]
+    assert vt["stats"]["evicted_tokens"] == naive["stats"]["evicted_tokens"] == runs["naive"]["stats"]["evicted_tokens"]
+    assert vt["stats"]["relocations"] > 0 and vt["stats"]["reclaimed_blocks"] > 0
+    for r in (naive, vt):
+        assert r["table_requests_end"] == 0
+        assert r["free_blocks_after_shutdown"] == r["num_gpu_blocks"] - 1
 
 
 @pytest.mark.slow

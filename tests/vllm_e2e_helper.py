@@ -70,6 +70,19 @@ def prompts_for(cfg: dict) -> list[list[int]]:
     return out
 
 
+def _lift_cpu_async_override() -> None:
+    """vLLM's CPU platform turns async scheduling off ("not required on CPU"); turn it back on after it."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        original(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def run(cfg: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     t0 = time.perf_counter()
@@ -96,6 +109,9 @@ def run(cfg: dict) -> dict:
             kv_connector="VTokenConnector", kv_connector_module_path="vtoken.integrations.vllm.connector",
             kv_role="kv_both", kv_connector_extra_config=extra,
         )
+    if cfg.get("async_scheduling"):
+        _lift_cpu_async_override()
+        kw["async_scheduling"] = True
     t1 = time.perf_counter()
     llm = LLM(**kw)
     t2 = time.perf_counter()
@@ -113,6 +129,7 @@ def run(cfg: dict) -> dict:
         if hasattr(core.model_executor, "driver_worker") else None,
         "tp": cfg.get("tp", 1),
         "stats": conn.stats() if conn is not None else {},
+        "scheduler": type(sched).__name__,
         "num_gpu_blocks": int(pool.num_gpu_blocks),
         "free_blocks_end": int(pool.get_num_free_blocks()),
         "times": {"import_s": t1 - t0, "init_s": t2 - t1, "generate_s": t3 - t2},

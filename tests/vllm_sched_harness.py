@@ -4,7 +4,8 @@ The scheduler, ``KVCacheManager``, ``BlockPool`` and prefix cache are vLLM's
 own classes. The model is replaced by :class:`FakeWorker`: it runs vtoken's
 real :class:`~vtoken.integrations.vllm.worker.WorkerSide` on a CPU KV cache,
 writes a per-token fingerprint at every new slot (instead of K/V), produces
-deterministic "sampled" tokens and attention scores, and checks after every
+deterministic "sampled" tokens and attention scores (the worker's device
+policy decides from them, as in vLLM), and checks after every
 step that each live token's fingerprint is found at the slot the scheduler's
 table gives it (so relocations moved the right bytes).
 """
@@ -18,10 +19,11 @@ NUM_KV_HEADS, HEAD_DIM = 2, 8
 
 def make_scheduler(model_dir: str, *, block_size: int = 16, num_blocks: int = 64, max_num_seqs: int = 8,
                    max_model_len: int = 1024, prefix_caching: bool = True, extra: dict | None = None,
-                   max_num_batched_tokens: int = 2048):
-    """A vLLM ``Scheduler`` bound to a vtoken connector (scheduler role)."""
+                   max_num_batched_tokens: int = 2048, async_scheduling: bool = False):
+    """A vLLM ``Scheduler`` (``AsyncScheduler`` with ``async_scheduling``) bound to a vtoken connector."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -36,10 +38,13 @@ def make_scheduler(model_dir: str, *, block_size: int = 16, num_blocks: int = 64
                       enable_prefix_caching=prefix_caching, enforce_eager=True, kv_transfer_config=kvt)
     cfg = args.create_engine_config()
     cfg.cache_config.num_gpu_blocks = num_blocks
+    # The CPU platform turns async scheduling off; the scheduler classes themselves run anywhere.
+    cfg.scheduler_config.async_scheduling = bool(async_scheduling)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
     kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
-    return Scheduler(vllm_config=cfg, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(cfg),
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    return cls(vllm_config=cfg, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(cfg),
                      block_size=block_size, log_stats=False)
 
 
@@ -70,9 +75,16 @@ def fingerprints(token_ids) -> np.ndarray:
 
 
 class FakeWorker:
-    """vtoken's WorkerSide over a CPU KV cache, with fingerprints in place of K/V."""
+    """vtoken's WorkerSide over a CPU KV cache, with fingerprints in place of K/V.
 
-    def __init__(self, sched, *, checking: bool = True, seed: int = 0):
+    With ``async_outputs`` the engine loop is vLLM's batch queue of depth 2
+    (``EngineCore.step_with_batch_queue``, what async scheduling runs): step
+    N+1 is scheduled (and executed) before step N's output reaches the
+    scheduler. The worker keeps its own copy of every request's tokens, as
+    vLLM's worker does, since the scheduler learns the sampled ones late.
+    """
+
+    def __init__(self, sched, *, checking: bool = True, seed: int = 0, async_outputs: bool = False):
         from vtoken.integrations.vllm.worker import WorkerSide
 
         self.sched = sched
@@ -82,26 +94,44 @@ class FakeWorker:
         rc = side.reclaim_config
         self.worker = WorkerSide(max_reqs=sched.scheduler_config.max_num_seqs,
                                  max_tokens=sched.scheduler_config.max_num_batched_tokens,
-                                 max_moves=rc.max_moves_per_step, checking=checking)
+                                 max_moves=rc.max_moves_per_step, policy=side.config.make_policy(),
+                                 checking=checking)
         self.worker.register_kv_caches({"model.layers.0.self_attn.attn": self.cache})
         self.rng = np.random.default_rng(seed)
         self.bs = bs
         self.steps = 0
+        self.async_outputs = bool(async_outputs)
+        self.in_flight: list = []  # (SchedulerOutput, ModelRunnerOutput) not yet given to the scheduler
+        self.max_in_flight = 0
+        self.tokens: dict = {}  # request -> every token the worker knows (prompt + sampled)
 
     def _write(self, req_id: str, first_token: int, slots: np.ndarray) -> None:
         s = torch.from_numpy(slots.astype(np.int64))
-        fp = fingerprints(self.sched.requests[req_id].all_token_ids[: first_token + len(slots)])
+        fp = fingerprints(self.tokens[req_id][: first_token + len(slots)])
         vals = torch.from_numpy(fp[first_token:])
         self.cache[s // self.bs, :, s % self.bs, :] = vals[:, None, None]
 
     def step(self):
-        """One engine step: schedule, "forward", copy, sample, update. Returns the SchedulerOutput."""
+        """One engine step: schedule, "forward", copy, sample; then an output goes back. Returns the SchedulerOutput."""
+        so = self.sched.schedule()
+        self.in_flight.append((so, self._execute(so)))
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
+        while self.in_flight and (not self.async_outputs or len(self.in_flight) == 2
+                                  or so.total_num_scheduled_tokens == 0):
+            self.sched.update_from_output(*self.in_flight.pop(0))
+        self.steps += 1
+        self.check_bytes()
+        return so
+
+    def _execute(self, so):
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        so = self.sched.schedule()
-        meta = so.kv_connector_metadata
         w = self.worker
-        w.begin_step(meta)
+        for d in so.scheduled_new_reqs:
+            self.tokens[d.req_id] = list(self.sched.requests[d.req_id].all_token_ids)
+        for r in so.scheduled_cached_reqs.resumed_req_ids:
+            self.tokens[r] = list(self.sched.requests[r].all_token_ids)
+        w.begin_step(so.kv_connector_metadata)
         reqs = list(so.num_scheduled_tokens)
         if reqs:
             qlens = np.array([so.num_scheduled_tokens[r] for r in reqs])
@@ -120,16 +150,15 @@ class FakeWorker:
         w.clear()
         sampled, ids = [], []
         for r in reqs:
-            req = self.sched.requests[r]
-            done_prefill = req.num_computed_tokens + so.num_scheduled_tokens[r] >= req.num_tokens
-            sampled.append([int(self.rng.integers(3, 500))] if done_prefill else [])
+            # schedule() already counted this step's tokens (and, async, the pending outputs' placeholders).
+            done_prefill = w.mirror.num_tokens(r) >= len(self.tokens[r])
+            tok = [int(self.rng.integers(3, 500))] if done_prefill else []
+            self.tokens[r].extend(tok)
+            sampled.append(tok)
             ids.append(r)
-        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=sampled, kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=wmeta))
-        self.sched.update_from_output(so, mro)
-        self.steps += 1
-        self.check_bytes()
-        return so
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=sampled,
+                                 kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=wmeta))
 
     def check_bytes(self) -> None:
         """Every live token of every tracked request holds its fingerprint at its table slot."""
@@ -144,15 +173,14 @@ class FakeWorker:
             ids = ids[ids < n_done]
             slots = t.slots(r)[ids].astype(np.int64)
             got = self.cache[slots // self.bs, 0, slots % self.bs, 0].numpy()
-            want = fingerprints(self.sched.requests[r].all_token_ids[:n_done])[ids] if r in self.sched.requests \
-                else got
+            want = fingerprints(self.tokens[r][:n_done])[ids]
             if not np.array_equal(got, want):
                 bad = np.flatnonzero(got != want)[:5]
                 raise AssertionError(f"request {r}: tokens {ids[bad].tolist()} not at their slots")
 
     def run(self, max_steps: int = 10_000) -> int:
         n = 0
-        while self.sched.has_unfinished_requests() and n < max_steps:
+        while (self.sched.has_unfinished_requests() or self.in_flight) and n < max_steps:
             self.step()
             n += 1
         return n

@@ -199,6 +199,25 @@ class DecisionLoop:
             request_seed=args[4], window_step=args[5] != 0,
         )
 
+    def add_entry_mass(self, slot_lists, num_reqs: int, mass: torch.Tensor) -> None:
+        """Add per-entry key masses (float ``[>= nnz_max]``, rows as the built slot lists) into :attr:`token_mass`.
+
+        For an attention that returns its key scores per slot-list entry
+        rather than adding them in place (``score_out``); padding rows are
+        ignored. No host sync.
+        """
+        if self.token_mass is None:
+            raise InvalidArgumentError(f"mass: expected none for policy {self.policy.name!r} (it reads no scores), "
+                                       "got a tensor")
+        nnz = slot_lists.nnz_max
+        check_tensor("mass", mass, ndim=1, device=self.device)
+        if mass.shape[0] < nnz or not mass.dtype.is_floating_point:
+            raise InvalidArgumentError(f"mass: expected float [>= {nnz}] (rows as the slot lists), "
+                                       f"got {mass.dtype} {tuple(mass.shape)}")
+        batch = self._batch(slot_lists, num_reqs)
+        mp = batch.mirror_pos(self.state.capacity)
+        self.token_mass.index_add_(0, mp, torch.where(batch.valid, mass[:nnz].to(torch.float32), 0.0))
+
     def decide(self, reqs: Sequence, slot_lists, *, seq_lens, num_new, done=None, defer=None,
                window_scores: Optional[torch.Tensor] = None) -> None:
         """Decide, kill and ship this step's victims for the batch ``reqs`` (as built into ``slot_lists``).

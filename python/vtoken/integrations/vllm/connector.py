@@ -30,20 +30,33 @@ logger = init_logger(__name__)
 __all__ = ["VTokenConnector", "VTokenConnectorMetadata", "VTokenWorkerMetadata"]
 
 
+def _tensor_parallel_sum(vllm_config):
+    """In-place sum over the tensor-parallel group (its device communicator), or None for one rank."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return None
+
+    def reduce(t):
+        from vllm.distributed.parallel_state import get_tp_group
+
+        t.copy_(get_tp_group().all_reduce(t))
+
+    return reduce
+
+
 class VTokenConnector(KVConnectorBase_V1):
     """See the module docstring and docs/vllm.md."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        from vtoken.integrations.vllm import vllm_available
+
+        ok, why = vllm_available()
+        if not ok:  # it reads vLLM internals: an untested release is refused, not half-run
+            raise InvalidArgumentError(f"vllm: {why}")
         self.vtoken_config = VTokenVLLMConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         if vllm_config.speculative_config is not None:
             raise InvalidArgumentError(
                 "speculative decoding: expected none with the vtoken connector, got a speculative config"
-            )
-        if getattr(vllm_config.scheduler_config, "async_scheduling", False):
-            raise InvalidArgumentError(
-                "async_scheduling: expected False with the vtoken connector (the scheduler commits relocations "
-                "and evictions between steps), got True"
             )
         if self.vtoken_config.evicts:
             from vllm.platforms import current_platform
@@ -87,7 +100,9 @@ class VTokenConnector(KVConnectorBase_V1):
             sc = vllm_config.scheduler_config
             self.worker_side = worker.WorkerSide(
                 max_reqs=sc.max_num_seqs, max_tokens=sc.max_num_batched_tokens,
-                max_moves=rc.max_moves_per_step, force_sync=rc.force_sync, checking=self.vtoken_config.checking,
+                max_moves=rc.max_moves_per_step, policy=self.vtoken_config.make_policy(),
+                reduce_scores=_tensor_parallel_sum(vllm_config), force_sync=rc.force_sync,
+                checking=self.vtoken_config.checking,
             )
             worker.set_current(self.worker_side)
         logger.info("vtoken connector (%s role): mode=%s policy=%s", role.name, self.vtoken_config.mode,

@@ -1,4 +1,4 @@
-"""The scheduler side of the vtoken connector: mirror, policy, reclamation, block surgery.
+"""The scheduler side of the vtoken connector: mirror, reclamation, block surgery, the workers' decisions.
 
 One :class:`SchedulerSide` lives in vLLM's engine-core process next to the
 ``KVCacheManager``. Per step (vLLM calls in this order):
@@ -12,13 +12,18 @@ One :class:`SchedulerSide` lives in vLLM's engine-core process next to the
    launch, commit), copy the table's block-list changes into vLLM's lists
    (freed positions become the null block, destinations take the first source
    positions), drop the hashes of blocks whose KV no longer matches their
-   prefix, and ship the deltas to the workers.
-3. The workers run the forward, copy the relocated K/V after it and return the
-   step's attention scores.
+   prefix, stop vLLM hashing the blocks of requests whose prompt is complete,
+   and ship the deltas to the workers.
+3. The workers run the forward, decide the step's evictions on the device
+   (the victims are dead there at once), copy the relocated K/V and report
+   the decisions whose records reached their host.
 4. :meth:`SchedulerSide.request_finished` (before vLLM frees a finished
    request's blocks) and :meth:`SchedulerSide.update_output` (after it): the
-   policy picks victims from the scores, the table evicts them (Naive-Evict
-   releases fully dead blocks at once, and the surgery nulls them in vLLM).
+   table evicts the reported victims, a step or more after the decision
+   (Naive-Evict releases fully dead blocks at once, and the surgery nulls
+   them in vLLM). Nothing here depends on which step's output arrives when,
+   so vLLM's async scheduler (step N+1 scheduled before step N's output) is
+   handled like the synchronous one.
 
 Nothing here touches a tensor.
 """
@@ -26,8 +31,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
-
 import numpy as np
 
 from vtoken import cdiv
@@ -41,8 +44,8 @@ from vtoken.pool import NULL_BLOCK
 from vtoken.table import TokenTable
 
 # vLLM's per-request count of hashed blocks, set past any length once a request
-# is tainted: its cache_blocks (allocate_slots, and the async scheduler's
-# output path) then hashes nothing more for it, within the same schedule too.
+# may evict: its cache_blocks (allocate_slots, and the async scheduler's output
+# path) then hashes nothing more for it, within the same schedule too.
 NEVER_HASH_MORE = 1 << 62
 
 
@@ -50,29 +53,10 @@ NEVER_HASH_MORE = 1 << 62
 class _Req:
     """Scheduler-side state of one request."""
 
-    acc: object = None  # ScoreAccumulator of exact-score policies
     synced: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # vLLM list as vtoken last wrote it
-    num_new: int = 0  # tokens appended this step
-    scheduled_step: int = -1
+    admitted_step: int = 0  # decisions of earlier steps were about an earlier registration
     prompt_tokens: int = 0  # tokens vLLM knew at admission: the prompt (plus outputs, when resumed)
-    prefill_done_step: Optional[int] = None  # the step that computed the last of them
-    taint_tokens: Optional[int] = None  # tokens [taint_tokens, ...) were computed after the first eviction
-    prefill_scores: Optional[np.ndarray] = None  # the prompt chunks' scores so far, summed
-
-    def fold_prefill_scores(self, scores: np.ndarray) -> np.ndarray:
-        """``scores`` plus the earlier prompt chunks' (zero-padded), which are then dropped.
-
-        NOTE: no eviction happens mid-prefill, and the policy sees ONE update for
-        the whole prompt (the chunks' scores summed), as for an unchunked
-        prefill: accumulators that count updates or keep the last one
-        (Scissorhands, TOVA) then do not depend on the chunking either.
-        """
-        prev, self.prefill_scores = self.prefill_scores, None
-        if prev is None:
-            return scores
-        out = scores.copy()
-        out[: prev.size] += prev
-        return out
+    hashing_frozen: bool = False  # its prompt is computed: vLLM hashes none of its blocks from now on
 
 
 class SchedulerSide:
@@ -80,17 +64,18 @@ class SchedulerSide:
 
     def __init__(self, config: VTokenVLLMConfig):
         self.config = config
-        self.policy = config.make_policy()
         self.reclaim_config = config.make_reclaim_config()
         self.step = 0
         self._reqs: dict = {}
         self._admitting: dict = {}  # request id -> tokens known when vLLM allocated it this schedule
+        self._decided_through = -1  # the workers' decisions of steps up to this one were applied
         self.bound = False
         self.stats = {
             "steps": 0, "evicted_tokens": 0, "relocations": 0, "plans": 0, "reclaimed_blocks": 0,
             "naive_released_blocks": 0, "hashes_dropped": 0,
             "peak_blocks_in_use": 0, "sum_blocks_in_use": 0, "peak_blocks_held": 0, "sum_blocks_held": 0,
-            "mirror_us": 0.0, "policy_us": 0.0, "reclaim_us": 0.0,
+            "decisions_applied": 0, "stale_decisions": 0, "worker_meta_bytes": 0,
+            "mirror_us": 0.0, "apply_us": 0.0, "reclaim_us": 0.0,
         }
 
     # ------------------------------------------------------------------ setup
@@ -147,12 +132,14 @@ class SchedulerSide:
         # identical prompts admitted together). Mirroring in that order, flushing the
         # batch before each admission with hits, registers those blocks first.
         batch: list = []  # (rid, n, new block ids)
+        prompt_tokens: dict = {}  # of the requests admitted this step, for the workers
         for rid, n in so.num_scheduled_tokens.items():
             if rid not in self.table:
                 if computed[rid] > 0:
                     self._mirror_batch(batch)
                     batch = []
                 self._admit(rid, computed[rid])  # the journal carries its prefix-cache hits' slots
+                prompt_tokens[rid] = self._reqs[rid].prompt_tokens
             st = self._reqs[rid]
             have = self.table.num_tokens(rid)
             if have != computed[rid]:
@@ -164,20 +151,15 @@ class SchedulerSide:
             if len(vids) < hi:
                 raise InvariantViolation(f"mirror: vLLM holds {len(vids)} blocks for {rid!r}, {hi} needed")
             batch.append((rid, int(n), vids[lo:hi]))
-            st.num_new = int(n)
-            st.scheduled_step = self.step
-            if st.prefill_done_step is None and have + n >= st.prompt_tokens:
-                st.prefill_done_step = self.step
+            if not st.hashing_frozen and have + n >= st.prompt_tokens:
+                self._freeze_hashing(rid, st)
         self._mirror_batch(batch)
         t1 = time.perf_counter()
         self._reclaim()
         t2 = time.perf_counter()
         self._admitting.clear()
-        meta = VTokenConnectorMetadata(
-            step=self.step,
-            events=self.table.journal.take(self._reader),
-            want_scores=self.policy is not None and self.policy.score_source == "exact",
-        )
+        meta = VTokenConnectorMetadata(step=self.step, events=self.table.journal.take(self._reader),
+                                       prompt_tokens=prompt_tokens)
         self.stats["relocations"] += meta.num_moves
         self._sample_usage()
         if self.config.checking:
@@ -225,8 +207,7 @@ class SchedulerSide:
             self.table.add_request(rid, prefix_blocks=hits[:j])
         if rid not in self._admitting:
             raise InvariantViolation(f"mirror: request {rid!r} was scheduled without an allocation for it this step")
-        st = _Req(acc=self.policy.make_accumulator() if self.policy is not None else None,
-                  prompt_tokens=self._admitting.pop(rid))
+        st = _Req(admitted_step=self.step, prompt_tokens=self._admitting.pop(rid))
         st.synced = hits[:j].astype(np.int32)
         self._reqs[rid] = st
         if rest.size:
@@ -268,66 +249,48 @@ class SchedulerSide:
         s["peak_blocks_held"] = max(s["peak_blocks_held"], held)
         s["sum_blocks_held"] += held
 
+    def _freeze_hashing(self, rid, st: _Req) -> None:
+        """``rid``'s prompt is computed this step: from now on the workers may evict from it.
+
+        NOTE: a block computed after a request's first eviction holds K/V (from
+        layer 1 on) that differ from what its hash promises another request.
+        The workers kill victims right after a forward and the scheduler learns
+        them a step or more later (later still under async scheduling), while
+        vLLM hashes a block in the ``allocate_slots`` of the schedule that
+        fills it, before a later admission of the same schedule looks it up.
+        So, in the modes that evict, a request's blocks stop being hashed once
+        its prompt is computed: vLLM's count of its hashed blocks is set past
+        any length. Its prompt blocks, filled before, keep their hashes.
+        """
+        st.hashing_frozen = True
+        if self.config.evicts and self.config.drop_tainted_hashes and self.pool.enable_caching:
+            self.stm.num_cached_block[rid] = NEVER_HASH_MORE
+
     # ---------------------------------------------------------- after the step
     def update_output(self, worker_meta) -> None:
-        """Run the policy for the requests of the step just executed, with its scores."""
-        if self.policy is None:
+        """Evict the victims the workers decided (and have reported) from the table, once each, in step order."""
+        if worker_meta is None or not getattr(worker_meta, "decisions", None):
             return
         t0 = time.perf_counter()
-        step = self.step - 1
-        scores = worker_meta.scores if worker_meta is not None and worker_meta.step == step else {}
-        exact = self.policy.score_source == "exact"
-        for rid, st in self._reqs.items():
-            if st.scheduled_step != step or rid not in self.table:
-                continue
-            ids = self.table.live_ids(rid)
-            in_prefill = st.prefill_done_step is None or st.prefill_done_step > step
-            if exact:
-                s = scores.get(rid)
-                if s is None:
-                    continue  # no attention this step (not computed by the workers)
-                if len(s) != len(ids):
-                    raise InvariantViolation(
-                        f"scores: request {rid!r} has {len(ids)} live tokens, the workers scored {len(s)}"
-                    )
-                s = st.fold_prefill_scores(np.asarray(s, dtype=np.float32))
-                if in_prefill:
-                    st.prefill_scores = s  # nothing is dead mid-prefill: ids are 0..len(s)-1
+        self.stats["worker_meta_bytes"] += worker_meta.nbytes
+        for dec in worker_meta.decisions:
+            if dec.step <= self._decided_through:
+                continue  # reported before by another tensor-parallel rank
+            for rid, _, victims in dec.rows():
+                st = self._reqs.get(rid)
+                if st is None or rid not in self.table or st.admitted_step > dec.step:
+                    self.stats["stale_decisions"] += 1  # finished, or preempted and re-admitted since
                     continue
-                st.acc.update(ids, s)
-            elif in_prefill:
-                continue
-            # The step that completes the prompt sees the whole prompt as new, as an unchunked prefill would.
-            num_new = st.prompt_tokens if st.prefill_done_step == step else st.num_new
-            view = self.policy.view(rid, step, ids, seq_len=self.table.num_tokens(rid), num_new=num_new,
-                                    scores=st.acc)
-            victims = self.policy.select_victims(view)
-            if victims.size == 0:
-                continue
-            held = self.table.held_blocks(rid)
-            self.table.evict(rid, victims)
-            self.stats["naive_released_blocks"] += held - self.table.held_blocks(rid)
-            self.stats["evicted_tokens"] += int(victims.size)
-            if st.taint_tokens is None:
-                self._taint(rid, st)
-            self._sync(rid)
-        self.stats["policy_us"] += (time.perf_counter() - t0) * 1e6
+                held = self.table.held_blocks(rid)
+                self.table.evict(rid, victims)
+                self.stats["naive_released_blocks"] += held - self.table.held_blocks(rid)
+                self.stats["evicted_tokens"] += int(victims.size)
+                self.stats["decisions_applied"] += 1
+                self._sync(rid)
+            self._decided_through = dec.step
+        self.stats["apply_us"] += (time.perf_counter() - t0) * 1e6
         if self.config.checking:
             self.check()
-
-    def _taint(self, rid, st: _Req) -> None:
-        """First eviction of ``rid``: every token it computes from now on saw a pruned context.
-
-        NOTE: such a block's K/V (from layer 1 on) differ from what its hash
-        promises another request. vLLM hashes a block when a schedule fills it
-        (``allocate_slots``), before a later admission of the same schedule
-        looks it up, so dropping the hash afterwards is too late: the request's
-        hashed-block count is set past any length instead, and vLLM hashes none
-        of its blocks again. Its blocks filled before this point keep theirs.
-        """
-        st.taint_tokens = self.table.num_tokens(rid)
-        if self.config.drop_tainted_hashes and self.pool.enable_caching:
-            self.stm.num_cached_block[rid] = NEVER_HASH_MORE
 
     def request_finished(self, rid) -> None:
         """vLLM is about to free the request's blocks: drop it from the table without freeing them."""
@@ -371,12 +334,12 @@ class SchedulerSide:
             refs = self.alloc.ref_count(live) if live.size else np.zeros(0)
             if (refs < 1).any():
                 raise InvariantViolation(f"surgery: request {rid!r} lists freed blocks {live[refs < 1][:8].tolist()}")
-            if st.taint_tokens is not None and self.config.drop_tainted_hashes:
-                hashed = [b.block_id for b in self.stm.req_to_blocks[rid][st.taint_tokens // self.S:]
+            if st.hashing_frozen and self.config.evicts and self.config.drop_tainted_hashes and self.pool.enable_caching:
+                hashed = [b.block_id for b in self.stm.req_to_blocks[rid][st.prompt_tokens // self.S:]
                           if not b.is_null and b.block_hash is not None]
                 if hashed:
                     raise InvariantViolation(
-                        f"prefix cache: blocks {hashed[:8]} of {rid!r}, computed after its first eviction, carry a hash"
+                        f"prefix cache: blocks {hashed[:8]} of {rid!r}, filled after its prompt, carry a hash"
                     )
 
     def summary(self) -> dict:

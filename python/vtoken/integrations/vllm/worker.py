@@ -1,4 +1,4 @@
-"""The worker side of the vtoken connector: token-table mirror, slot lists, relocation copies, scores.
+"""The worker side of the vtoken connector: token-table mirror, slot lists, relocation copies, decisions.
 
 One :class:`WorkerSide` per worker process (one per tensor-parallel rank),
 created by the connector's ``WORKER`` role and published with
@@ -17,16 +17,23 @@ Per step:
   ``slot_mapping`` in fixed-address buffers from the device mirror;
 - the attention backend adds each layer's ``token_attention`` key scores into
   one per-step buffer (:meth:`WorkerSide.add_key_scores`);
-- ``wait_for_save`` (after the forward): ONE ``compact_kv`` launch on the
+- ``wait_for_save`` (after the forward): the eviction decision runs on the
+  device (:class:`vtoken.decision_loop.DecisionLoop`: the step's key masses,
+  summed over tensor-parallel ranks on the device, the device policy, the
+  victims killed in the mirror so the next attention never reads them; a
+  request mid-prompt evicts nothing), then ONE ``compact_kv`` launch on the
   relocation stream covers every move of the step (old slots to new, both in
   the move events), then the mirror applies the moves;
-- ``build_connector_worker_meta``: the step's per-request scores go back to
-  the scheduler (the only device-to-host copy; only when the policy needs it).
+- ``build_connector_worker_meta``: the decisions whose records reached the
+  host (never waited for) go back to the scheduler, O(victims) bytes, which
+  applies them to its table (block frees, relocation planning) a step or more
+  late. No per-token score leaves the device.
 """
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from collections import deque
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -34,8 +41,9 @@ import torch
 from vtoken import invariants
 from vtoken.buffers import DeviceMirror, SlotListBuffers
 from vtoken.copy_engine import CopyEngine
+from vtoken.decision_loop import DecisionLoop
 from vtoken.errors import InvalidArgumentError, InvariantViolation
-from vtoken.integrations.vllm.meta import VTokenConnectorMetadata, VTokenWorkerMetadata
+from vtoken.integrations.vllm.meta import StepDecisions, VTokenConnectorMetadata, VTokenWorkerMetadata
 from vtoken.layout import KVLayout
 
 KV_LAYOUT_NAME = "vllm_fused"  # vLLM 0.32's per-layer view [num_blocks, H, block_size, 2*D] (docs/vllm.md)
@@ -62,18 +70,24 @@ class WorkerSide:
         max_reqs: the batch size bound (``max_num_seqs``).
         max_tokens: tokens per step bound (``max_num_batched_tokens``).
         max_moves: relocation moves per step bound (``reclaim.max_moves_per_step``).
+        policy: the eviction policy (with a device path), or None (native mode: no decisions).
+        reduce_scores: sums a float tensor over the tensor-parallel ranks in place (None: one rank).
         force_sync: the host waits on every relocation copy (ablation).
         checking: run the debug checks (slot mapping vs vLLM's, I1 around copies).
     """
 
-    def __init__(self, *, max_reqs: int, max_tokens: int, max_moves: int, force_sync: bool = False,
+    def __init__(self, *, max_reqs: int, max_tokens: int, max_moves: int, policy=None,
+                 reduce_scores: Optional[Callable[[torch.Tensor], None]] = None, force_sync: bool = False,
                  checking: bool = False):
         self.max_reqs, self.max_tokens, self.max_moves = int(max_reqs), int(max_tokens), int(max_moves)
+        self.policy = policy
+        self.reduce_scores = reduce_scores
         self.force_sync = bool(force_sync)
         self.checking = bool(checking)
         self.mirror: Optional[DeviceMirror] = None
         self.buffers: Optional[SlotListBuffers] = None
         self.copy_engine: Optional[CopyEngine] = None
+        self.loop: Optional[DecisionLoop] = None
         self.kv_caches: list = []
         self.layout: Optional[KVLayout] = None
         self.device = torch.device("cpu")
@@ -81,9 +95,12 @@ class WorkerSide:
         self._moves: list = []  # this step's move events, applied after the forward
         self._scores: Optional[torch.Tensor] = None
         self._batch: list = []
+        self._query_lens = np.zeros(0, dtype=np.int64)
         self._batch_step = -1
+        self._prompt_tokens: dict = {}  # request -> tokens to compute before it may evict
+        self._decided_steps: deque = deque()  # the scheduler step of each record in the loop's ring
         self.stats = {"steps": 0, "moves": 0, "copies": 0, "event_waits": 0, "slot_lists_built": 0,
-                      "slot_list_grows": 0}
+                      "slot_list_grows": 0, "decisions": 0, "victims": 0, "worker_meta_bytes": 0}
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict) -> None:
@@ -109,6 +126,9 @@ class WorkerSide:
                                        device=self.device)
         self._scores = torch.zeros(nnz_max, dtype=torch.float32, device=self.device)
         self.copy_engine = CopyEngine(caches, self.layout, max_moves=self.max_moves, force_sync=self.force_sync)
+        if self.policy is not None:
+            self.loop = DecisionLoop(self.policy, self.mirror, num_blocks=self.layout.num_blocks,
+                                     block_size=self.layout.block_size, max_reqs=self.max_reqs, table=None)
 
     @property
     def ready(self) -> bool:
@@ -120,6 +140,10 @@ class WorkerSide:
         if not self.ready:
             raise InvariantViolation("worker: metadata arrived before register_kv_caches")
         before_moves, self._moves = meta.split_moves()
+        for ev in before_moves:
+            if ev[0] == "finish":
+                self._prompt_tokens.pop(self.mirror.request_of_row(ev[1]), None)
+        self._prompt_tokens.update(meta.prompt_tokens)
         self.mirror.apply(before_moves)
         if self.copy_engine.before_forward(step=meta.step):
             self.stats["event_waits"] += 1
@@ -142,9 +166,10 @@ class WorkerSide:
         self._ensure_capacity(req_ids)
         self.mirror.build(self.buffers, req_ids, query_lens)
         total = int(self.buffers.kv_indptr_host[len(req_ids)])
-        if self._meta is not None and self._meta.want_scores:
+        if self.want_scores:
             self._scores[:total].zero_()
         self._batch = list(req_ids)
+        self._query_lens = np.asarray(query_lens, dtype=np.int64)[: len(req_ids)].copy()
         self._batch_step = self._meta.step if self._meta is not None else -1
         self.stats["slot_lists_built"] += 1
         return self.buffers
@@ -169,7 +194,8 @@ class WorkerSide:
 
     @property
     def want_scores(self) -> bool:
-        return self._meta is not None and self._meta.want_scores
+        """The attention should add its key scores (the policy reads exact attention mass)."""
+        return self.loop is not None and self.loop.scored
 
     def add_key_scores(self, key_scores: torch.Tensor) -> None:
         """Add one layer's ``token_attention`` key scores (float32 ``[nnz_max, num_kv_heads]``)."""
@@ -177,9 +203,13 @@ class WorkerSide:
 
     # ---------------------------------------------------------- after forward
     def end_step(self) -> None:
-        """Launch the step's relocation copy (one ``compact_kv``) and update the mirror."""
+        """Decide the step's evictions on the device, then launch its relocation copy and update the mirror."""
         meta, moves = self._meta, self._moves
-        if meta is None or not moves:
+        if meta is None:
+            return
+        if self.loop is not None and self._batch and self._batch_step == meta.step:
+            self._decide(meta.step)
+        if not moves:
             return
         before = self._capture(moves) if self.checking else None
         src = np.concatenate([ev[3] for ev in moves])
@@ -192,18 +222,45 @@ class WorkerSide:
         if before is not None:
             self._check_i1(before)
 
+    def _decide(self, step: int) -> None:
+        """The device decision over the batch just attended (no host sync)."""
+        reqs, n, bufs = self._batch, len(self._batch), self.buffers
+        seq = np.fromiter((self.mirror.num_tokens(r) for r in reqs), dtype=np.int64, count=n)
+        prompt = np.fromiter((self._prompt_tokens.get(r, 0) for r in reqs), dtype=np.int64, count=n)
+        qlen = self._query_lens
+        defer = seq < prompt  # mid-prompt: no eviction, its masses wait for the prompt's last chunk
+        # The step that completes the prompt sees the whole prompt as new, as an unchunked prefill would.
+        num_new = np.where(~defer & (seq - qlen < prompt), np.minimum(prompt, seq), qlen)
+        if self.loop.scored:
+            total = int(bufs.kv_indptr_host[n])
+            if self.reduce_scores is not None:  # identical masses, hence identical decisions, on every rank
+                self.reduce_scores(self._scores[:total])
+            self.loop.add_entry_mass(bufs, n, self._scores)
+        self.loop.decide(reqs, bufs, seq_lens=seq, num_new=num_new, defer=defer)
+        self._decided_steps.append(step)
+
     def worker_meta(self) -> VTokenWorkerMetadata:
-        """The step's per-request scores (empty unless the policy needs them)."""
+        """The decisions whose records reached the host since the last report (never waits)."""
         meta = self._meta
-        step = meta.step if meta is not None else -1
-        scores = {}
-        if meta is not None and meta.want_scores and self._batch_step == step and self._batch:
-            indptr = self.buffers.kv_indptr_host
-            total = int(indptr[len(self._batch)])
-            host = self._scores[:total].cpu().numpy()
-            for i, req in enumerate(self._batch):
-                scores[req] = host[indptr[i] : indptr[i + 1]].copy()
-        return VTokenWorkerMetadata(step=step, scores=scores)
+        out = VTokenWorkerMetadata(step=meta.step if meta is not None else -1)
+        if self.loop is None:
+            return out
+        for rec in self.loop.drain():
+            step = self._decided_steps.popleft()
+            keep = np.flatnonzero(rec.counts > 0)
+            if keep.size == 0:
+                continue
+            tids = rec.token_ids.astype(np.int32)
+            counts = rec.counts.astype(np.int32)
+            if keep.size != counts.size:
+                ends = np.cumsum(counts)
+                tids = np.concatenate([tids[ends[i] - counts[i]: ends[i]] for i in keep])
+            out.decisions.append(StepDecisions(step, tuple(rec.reqs[i] for i in keep),
+                                               rec.seq_lens[keep].astype(np.int32), counts[keep], tids))
+            self.stats["decisions"] += int(keep.size)
+            self.stats["victims"] += int(tids.size)
+        self.stats["worker_meta_bytes"] += out.nbytes
+        return out
 
     def clear(self) -> None:
         self._meta = None
