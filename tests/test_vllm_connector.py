@@ -45,7 +45,7 @@ def prompts(n, lo, hi, seed=0):
 
 
 def setup(model_dir, mode, *, num_blocks=128, prefix_caching=True, n=4, lo=60, hi=100, max_tokens=40, seed=0,
-          max_num_seqs=8, max_num_batched_tokens=2048, async_scheduling=False, **kw):
+          max_num_seqs=8, max_num_batched_tokens=2048, async_scheduling=False, v2_builder=False, **kw):
     from vllm_sched_harness import FakeWorker, make_request, make_scheduler
 
     sched = make_scheduler(model_dir, block_size=BS, num_blocks=num_blocks, prefix_caching=prefix_caching,
@@ -53,7 +53,7 @@ def setup(model_dir, mode, *, num_blocks=128, prefix_caching=True, n=4, lo=60, h
                            async_scheduling=async_scheduling, extra=extra(mode, **kw))
     for i, p in enumerate(prompts(n, lo, hi, seed)):
         sched.add_request(make_request(f"r{i}", p, max_tokens, BS))
-    return sched, FakeWorker(sched, seed=seed, async_outputs=async_scheduling)
+    return sched, FakeWorker(sched, seed=seed, async_outputs=async_scheduling, v2_builder=v2_builder)
 
 
 def side_of(sched):
@@ -471,6 +471,30 @@ def test_async_scheduler_decides_and_reclaims_like_the_synchronous_one(model_dir
     assert s_async["evicted_tokens"] == s_sync["evicted_tokens"] > 0
     if mode == "vtoken":
         assert s_async["relocations"] > 0 and s_async["reclaimed_blocks"] > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_model_runner_v2_order_fills_the_attention_metadata_at_start_load_kv(model_dir, async_scheduling):
+    """V2 builds attention metadata before handle_preemptions and names its rows only in start_load_kv.
+
+    The harness drives vtoken's builder with V2-style ``CommonAttentionMetadata``
+    (``req_idx``, rows in the runner's order, two padding rows as for a full
+    CUDA graph), then the events, then ``prepare_step(request_ids)``; it checks
+    each step that the metadata reads exactly the rows' live slots and that
+    padding rows are empty. Decisions and bytes equal the V1 order's run.
+    """
+    runs = {}
+    for v2 in (False, True):
+        sched, fw = setup(model_dir, "vtoken", n=5, max_tokens=40, async_scheduling=async_scheduling, v2_builder=v2)
+        decisions = _decisions_of(sched)
+        fw.run()
+        runs[v2] = (decisions, side_of(sched).summary()["evicted_tokens"], fw.tokens)
+        if v2:
+            assert len(fw.attention) == fw.steps
+            # Fixed-address buffers: every step's metadata views the same storage.
+            assert len({m.kv_indices.data_ptr() for _, m in fw.attention if m.kv_indices is not None}) == 1
+            assert len({m.kv_indptr.data_ptr() for _, m in fw.attention if m.kv_indptr is not None}) == 1
+    assert runs[True] == runs[False] and runs[True][1] > 0
 
 
 def test_preemption_drops_the_request_and_its_blocks(model_dir):

@@ -16,6 +16,9 @@ run keeps the runs independent. All runs are greedy, on token-id prompts.
 - (f) vLLM's async scheduling (the CPU platform's override lifted inside the
   run): the AsyncScheduler schedules step N+1 before step N's output arrives;
   naive == vtoken == the synchronous runs, and no block leaks;
+- (g) vLLM's Model Runner V2 (its CPU runner; V2's own Triton kernels run in
+  Triton's interpreter behind a stand-in "cpu" backend, inside the run):
+  naive == vtoken == the V1 runs, and no block leaks;
 - (d) tensor parallel 2 (two CPU workers over gloo) gives the tokens, the
   evictions and the relocations of tensor parallel 1: the ranks' attention
   scores are summed, every rank copies its own KV heads.
@@ -149,6 +152,24 @@ def test_f_async_scheduling_gives_the_synchronous_tokens_and_leaks_nothing(model
     print("\nvLLM e2e async:", json.dumps({k: {"stats": v["stats"]} for k, v in (("naive", naive), ("vtoken", vt))}))
     assert naive["scheduler"] == vt["scheduler"] == "AsyncScheduler"
     assert runs["vtoken"]["scheduler"] == "Scheduler"
+    assert vt["outputs"] == naive["outputs"] == runs["naive"]["outputs"]
+    assert vt["stats"]["evicted_tokens"] == naive["stats"]["evicted_tokens"] == runs["naive"]["stats"]["evicted_tokens"]
+    assert vt["stats"]["relocations"] > 0 and vt["stats"]["reclaimed_blocks"] > 0
+    for r in (naive, vt):
+        assert r["table_requests_end"] == 0
+        assert r["free_blocks_after_shutdown"] == r["num_gpu_blocks"] - 1
+
+
+def test_g_model_runner_v2_gives_the_v1_tokens_and_leaks_nothing(model_dir, runs):
+    base = {"model_dir": model_dir, "make_model": False, **PROMPTS, "block_size": 16, **H2O, "reclaim": RECLAIM,
+            "model_runner_v2": True}
+    naive = run_vllm({**base, "mode": "naive"})
+    vt = run_vllm({**base, "mode": "vtoken"})
+    print("\nvLLM e2e Model Runner V2:", json.dumps({k: {"stats": v["stats"], "times": v["times"]}
+                                                   for k, v in (("naive", naive), ("vtoken", vt))}))
+    assert naive["runner"] == vt["runner"] == "vllm.v1.worker.cpu.model_runner.CPUModelRunner"  # V2's CPU runner
+    assert runs["naive"]["runner"] == "vllm.v1.worker.cpu_model_runner.CPUModelRunner"  # the V1 one
+    assert naive["backend"] == vt["backend"] == "VTokenAttentionBackend"
     assert vt["outputs"] == naive["outputs"] == runs["naive"]["outputs"]
     assert vt["stats"]["evicted_tokens"] == naive["stats"]["evicted_tokens"] == runs["naive"]["stats"]["evicted_tokens"]
     assert vt["stats"]["relocations"] > 0 and vt["stats"]["reclaimed_blocks"] > 0

@@ -83,6 +83,54 @@ def _lift_cpu_async_override() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
+def _model_runner(core):
+    return core.model_executor.driver_worker.worker.model_runner if hasattr(core.model_executor, "driver_worker") \
+        else None
+
+
+def _runner_name(core):
+    mr = _model_runner(core)
+    return None if mr is None else f"{type(mr).__module__}.{type(mr).__name__}"
+
+
+def _backend_name(core):
+    mr = _model_runner(core)
+    groups = getattr(mr, "attn_groups", None) if mr is not None else None
+    if groups:
+        return groups[0][0].backend.__name__
+    backends = getattr(mr, "attn_backends", None) if mr is not None else None  # Model Runner V2
+    if backends:
+        first = next(iter(backends.values())) if isinstance(backends, dict) else backends[0]
+        return first.__name__ if isinstance(first, type) else type(first).__name__
+    return None
+
+
+def _enable_model_runner_v2_on_cpu() -> None:
+    """Model Runner V2 needs an active Triton backend; stock Triton has none for CPU.
+
+    Registers a stand-in "cpu" backend whose driver reports active (before
+    vLLM is imported) and runs V2's Triton kernels in Triton's interpreter
+    (``TRITON_INTERPRET=1``): a test device for V2's control flow, not a
+    way to serve.
+    """
+    import types
+
+    # First: Triton's own library functions (tl.max, ...) take interpreter form only when
+    # TRITON_INTERPRET is set before triton is imported.
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    # vtoken's own ops keep their CPU paths (torch references), as in the V1 runs.
+    os.environ["VTOKEN_BACKEND"] = "torch"
+    import triton.backends
+
+    class _ActiveDriver:
+        @staticmethod
+        def is_active():
+            return True
+
+    triton.backends.backends.setdefault("cpu", types.SimpleNamespace(driver=_ActiveDriver, compiler=None))
+
+
 def run(cfg: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     t0 = time.perf_counter()
@@ -125,8 +173,8 @@ def run(cfg: dict) -> dict:
     conn = sched.connector
     result = {
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
-        "backend": core.model_executor.driver_worker.worker.model_runner.attn_groups[0][0].backend.__name__
-        if hasattr(core.model_executor, "driver_worker") else None,
+        "backend": _backend_name(core),
+        "runner": _runner_name(core),
         "tp": cfg.get("tp", 1),
         "stats": conn.stats() if conn is not None else {},
         "scheduler": type(sched).__name__,
@@ -146,6 +194,8 @@ def run(cfg: dict) -> dict:
 
 if __name__ == "__main__":
     cfg = json.loads(sys.argv[1])
+    if cfg.get("model_runner_v2"):  # first: before anything imports vLLM or defines a Triton kernel
+        _enable_model_runner_v2_on_cpu()
     if cfg.get("make_model", True) and not os.path.exists(os.path.join(cfg["model_dir"], "config.json")):
         make_tiny_llama(cfg["model_dir"])
     print("VTOKEN_RESULT " + json.dumps(run(cfg)), flush=True)

@@ -11,6 +11,8 @@ table gives it (so relocations moved the right bytes).
 """
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import torch
 
@@ -84,7 +86,8 @@ class FakeWorker:
     vLLM's worker does, since the scheduler learns the sampled ones late.
     """
 
-    def __init__(self, sched, *, checking: bool = True, seed: int = 0, async_outputs: bool = False):
+    def __init__(self, sched, *, checking: bool = True, seed: int = 0, async_outputs: bool = False,
+                 v2_builder: bool = False):
         from vtoken.integrations.vllm.worker import WorkerSide
 
         self.sched = sched
@@ -97,13 +100,29 @@ class FakeWorker:
                                  max_moves=rc.max_moves_per_step, policy=side.config.make_policy(),
                                  checking=checking)
         self.worker.register_kv_caches({"model.layers.0.self_attn.attn": self.cache})
-        self.rng = np.random.default_rng(seed)
+        self.seed = int(seed)
         self.bs = bs
         self.steps = 0
         self.async_outputs = bool(async_outputs)
         self.in_flight: list = []  # (SchedulerOutput, ModelRunnerOutput) not yet given to the scheduler
         self.max_in_flight = 0
         self.tokens: dict = {}  # request -> every token the worker knows (prompt + sampled)
+        # Model Runner V2's order: vLLM's attention builder first (rows in V2's order, padded as
+        # for a full CUDA graph), then handle_preemptions, then start_load_kv with the request ids.
+        self.builder = None
+        self.attention: list = []  # (row order, metadata) per step, with v2_builder
+        if v2_builder:
+            from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+            from vtoken.integrations.vllm.attention import VTokenAttentionMetadataBuilder
+
+            spec = FullAttentionSpec(block_size=bs, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
+            self.builder = VTokenAttentionMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], sched.vllm_config,
+                                                          torch.device("cpu"))
+
+    def _rng(self, req_id: str, stream: int):
+        """Draws of one request at this step: independent of the batch's row order."""
+        return np.random.default_rng((self.seed, zlib.crc32(str(req_id).encode()), self.steps, stream))
 
     def _write(self, req_id: str, first_token: int, slots: np.ndarray) -> None:
         s = torch.from_numpy(slots.astype(np.int64))
@@ -131,19 +150,25 @@ class FakeWorker:
             self.tokens[d.req_id] = list(self.sched.requests[d.req_id].all_token_ids)
         for r in so.scheduled_cached_reqs.resumed_req_ids:
             self.tokens[r] = list(self.sched.requests[r].all_token_ids)
-        w.begin_step(so.kv_connector_metadata)
         reqs = list(so.num_scheduled_tokens)
+        if self.builder is not None:
+            reqs = reqs[::-1]  # rows in an order of the runner's own, not the scheduler's
+            self._v2_attention(so, reqs)
+        else:
+            w.begin_step(so.kv_connector_metadata)
         if reqs:
             qlens = np.array([so.num_scheduled_tokens[r] for r in reqs])
-            bufs = w.build_slot_lists(reqs, qlens)
+            bufs = w.buffers if self.builder is not None else w.build_slot_lists(reqs, qlens)
             slot_mapping = bufs.slot_mapping[: int(qlens.sum())].numpy()
             for r, first in zip(reqs, np.cumsum(qlens) - qlens):  # the "forward" writes the computed tokens' fingerprints
                 n, k = w.mirror.num_tokens(r), so.num_scheduled_tokens[r]
                 self._write(r, n - k, slot_mapping[first : first + k])
-            if w.want_scores:
-                total = int(w.buffers.kv_indptr_host[len(reqs)])
-                ks = torch.from_numpy(self.rng.random((w.buffers.nnz_max, NUM_KV_HEADS), dtype=np.float32))
-                ks[total:] = 0
+            if w.want_scores:  # per request and step, whatever the row order
+                ptr = w.buffers.kv_indptr[: len(reqs) + 1].numpy()
+                ks = torch.zeros(w.buffers.nnz_max, NUM_KV_HEADS)
+                for i, r in enumerate(reqs):
+                    draw = self._rng(r, 0).random((ptr[i + 1] - ptr[i], NUM_KV_HEADS), dtype=np.float32)
+                    ks[ptr[i]: ptr[i + 1]] = torch.from_numpy(draw)
                 w.add_key_scores(ks)
         w.end_step()
         wmeta = w.worker_meta()
@@ -152,13 +177,51 @@ class FakeWorker:
         for r in reqs:
             # schedule() already counted this step's tokens (and, async, the pending outputs' placeholders).
             done_prefill = w.mirror.num_tokens(r) >= len(self.tokens[r])
-            tok = [int(self.rng.integers(3, 500))] if done_prefill else []
+            tok = [int(self._rng(r, 1).integers(3, 500))] if done_prefill else []
             self.tokens[r].extend(tok)
             sampled.append(tok)
             ids.append(r)
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                  sampled_token_ids=sampled,
                                  kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=wmeta))
+
+    def _v2_attention(self, so, reqs: list, pad: int = 2) -> None:
+        """Model Runner V2's order around one step's attention metadata (see ``v2_builder``)."""
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        from vtoken.integrations.vllm import worker as worker_mod
+
+        w = self.worker
+        qlens = [so.num_scheduled_tokens[r] for r in reqs]
+        t = int(sum(qlens))
+        # Padded rows are empty (query_start_loc repeats the total), as V2 pads a full-graph batch.
+        qsl = torch.tensor(np.concatenate([[0], np.cumsum(qlens), np.full(pad, t)]), dtype=torch.int32)
+        table = self.sched.connector.scheduler_side.table
+        slot_mapping = np.concatenate([table.slots(r)[table.num_tokens(r) - k:table.num_tokens(r)]
+                                       for r, k in zip(reqs, qlens)]) if reqs else np.zeros(0, np.int32)
+        n = len(reqs) + pad
+        cm = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=torch.zeros(n, dtype=torch.int32),
+            num_reqs=n, num_actual_tokens=t, max_query_len=max(qlens, default=0), max_seq_len=0,
+            block_table_tensor=torch.zeros(n, 1, dtype=torch.int32),
+            slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)), req_idx=np.arange(len(reqs)),
+        )
+        prev = worker_mod.current()
+        worker_mod.set_current(w)
+        try:
+            meta = self.builder.build(0, cm)
+            assert meta.kv_indices is None  # nothing to read before the connector has the step
+            w.begin_step(so.kv_connector_metadata)
+            w.prepare_step(request_ids=list(reqs))
+        finally:
+            worker_mod.set_current(prev)
+        # The metadata now reads the rows' live slots, in the runner's row order.
+        want = [w.mirror.host_copy(r) for r in reqs]
+        want = np.concatenate([sl[alive] for sl, alive in want]) if want else np.zeros(0, np.int32)
+        ptr = meta.kv_indptr.numpy()
+        assert ptr.shape == (n + 1,) and (ptr[len(reqs):] == ptr[len(reqs)]).all()  # padded rows: empty
+        assert np.array_equal(meta.kv_indices[: ptr[-1]].numpy(), want)
+        self.attention.append((list(reqs), meta))
 
     def check_bytes(self) -> None:
         """Every live token of every tracked request holds its fingerprint at its table slot."""

@@ -51,7 +51,6 @@ from vllm.v1.attention.backend import (
 )
 
 from vtoken import ops
-from vtoken.errors import InvariantViolation
 from vtoken.integrations.vllm import worker as worker_mod
 from vtoken.layout import KVLayout
 from vtoken_kernels.contracts import MAX_HEAD_DIM
@@ -60,8 +59,9 @@ CONNECTOR_NAME = "VTokenConnector"
 
 # --------------------------------------------------------------------------- batch order
 # NOTE: vLLM's CommonAttentionMetadata does not name the requests of its rows.
-# The plugin wraps GPUModelRunner._build_attention_metadata / _dummy_run
-# (docs/vllm.md) to publish the persistent batch's order here.
+# On the V1 runner the plugin wraps GPUModelRunner._build_attention_metadata /
+# _dummy_run (docs/vllm.md) to publish the persistent batch's order here; Model
+# Runner V2 names them in the connector's start_load_kv (request_ids).
 _BATCH = threading.local()
 UNPUBLISHED = object()  # no runner hook around this build: the batch order is unknown
 
@@ -111,11 +111,25 @@ class VTokenAttentionBackend(AttentionBackend):
 
 @dataclass
 class VTokenAttentionMetadata:
+    """One step's attention inputs. The slot lists are filled in just before the forward.
+
+    vLLM builds this (``build``) before Model Runner V2 hands the connector the
+    step's table events, so the builder records only what vLLM knows; the
+    connector's ``start_load_kv`` (vLLM calls it before the forward because
+    the scheduler side marks every step ``has_sync_kv_loads``) applies the
+    events, rebuilds the slot lists and sets ``kv_indices`` / ``kv_indptr``
+    (:meth:`vtoken.integrations.vllm.worker.WorkerSide.prepare_step`).
+    """
+
     num_actual_tokens: int
     num_reqs: int
     q_indptr: torch.Tensor  # int32 [num_reqs + 1], vLLM's query_start_loc
-    kv_indices: Optional[torch.Tensor]  # int32 [nnz_max] (fixed address), None: no KV this step
-    kv_indptr: Optional[torch.Tensor]  # int32 [num_reqs + 1]
+    query_lens: Optional[np.ndarray] = None  # host, per row: the tokens each request computes this step
+    seq_lens: Optional[np.ndarray] = None  # host upper bound per row (debug checks)
+    slot_mapping: Optional[torch.Tensor] = None  # vLLM's (debug checks)
+    req_ids: Optional[list] = None  # the V1 runner's batch order (plugin hook); V2 names it in start_load_kv
+    kv_indices: Optional[torch.Tensor] = None  # int32 [>= total] (fixed-address buffer), None: no KV this step
+    kv_indptr: Optional[torch.Tensor] = None  # int32 [num_reqs + 1], padding rows empty
     want_scores: bool = False
 
 
@@ -130,39 +144,18 @@ class VTokenAttentionMetadataBuilder(AttentionMetadataBuilder[VTokenAttentionMet
               fast_build: bool = False) -> VTokenAttentionMetadata:
         cm = common_attn_metadata
         q_indptr = cm.query_start_loc[: cm.num_reqs + 1]
+        meta = VTokenAttentionMetadata(cm.num_actual_tokens, cm.num_reqs, q_indptr)
         worker = worker_mod.current()
         req_ids = published_batch()
-        if req_ids is UNPUBLISHED and worker is not None and worker.ready:
-            raise InvariantViolation(
-                "vtoken attention: the batch order was not published (the plugin's hook on "
-                "GPUModelRunner._build_attention_metadata did not run); is vtoken's plugin loaded and the V1 "
-                "model runner in use?"
-            )
-        if worker is None or not worker.ready or not req_ids or req_ids is UNPUBLISHED:
-            # Profiling / warm-up run (no connector yet, or a dummy batch): no KV to read.
-            return VTokenAttentionMetadata(cm.num_actual_tokens, cm.num_reqs, q_indptr, None, None)
-        qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].numpy().astype(np.int64)
-        n = min(len(req_ids), cm.num_reqs)
-        query_lens = np.diff(qsl)[:n]
-        seq_lens = None
+        if worker is None or not worker.ready or req_ids is None:
+            return meta  # profiling / warm-up / a dummy batch: no KV to read
+        meta.query_lens = np.diff(cm.query_start_loc_cpu[: cm.num_reqs + 1].numpy().astype(np.int64))
         if worker.checking and cm.seq_lens_cpu_upper_bound is not None:
-            seq_lens = cm.seq_lens_cpu_upper_bound[:n].numpy()
-        bufs = worker.build_slot_lists(list(req_ids[:n]), query_lens, seq_lens)
-        if worker.checking and cm.slot_mapping.device.type == "cpu":
-            t = int(query_lens.sum())
-            if not torch.equal(bufs.slot_mapping[:t].to(torch.int64), cm.slot_mapping[:t].to(torch.int64)):
-                raise InvariantViolation("worker mirror: vtoken's slot mapping differs from vLLM's")
-        # NOTE: a view of the fixed-address buffer cut at this batch's live total
-        # (known on the host), so key scores are [total, H] rather than [nnz_max, H].
-        total = max(int(bufs.kv_indptr_host[n]), 1)
-        return VTokenAttentionMetadata(
-            num_actual_tokens=cm.num_actual_tokens,
-            num_reqs=cm.num_reqs,
-            q_indptr=q_indptr,
-            kv_indices=bufs.kv_indices[:total],
-            kv_indptr=bufs.kv_indptr[: cm.num_reqs + 1],
-            want_scores=worker.want_scores,
-        )
+            meta.seq_lens = cm.seq_lens_cpu_upper_bound[: cm.num_reqs].numpy().copy()
+        meta.slot_mapping = cm.slot_mapping
+        meta.req_ids = None if req_ids is UNPUBLISHED else list(req_ids)
+        worker.expect_attention(meta)
+        return meta
 
 
 class VTokenAttentionImpl(AttentionImpl):

@@ -69,11 +69,6 @@ class VTokenConnector(KVConnectorBase_V1):
                     f"attention_config.backend: expected CUSTOM (vtoken's token-indexed attention) with mode "
                     f"{self.vtoken_config.mode!r}, got {vllm_config.attention_config.backend}"
                 )
-        if vllm_config.use_v2_model_runner:
-            raise InvalidArgumentError(
-                "model runner: expected vLLM's V1 model runner with the vtoken connector (its attention builder "
-                "needs the batch order the plugin takes from it), got Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=0"
-            )
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise InvalidArgumentError(
                 "pipeline_parallel_size: expected 1 with the vtoken connector, "
@@ -113,13 +108,17 @@ class VTokenConnector(KVConnectorBase_V1):
         self.worker_side.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        # The first call of GPUModelRunner.execute_model, before the attention
-        # metadata is built: the pre-forward point of the step.
+        # Before the forward on both runners (V1: before the attention metadata is
+        # built; Model Runner V2: after it, before start_load_kv).
         if isinstance(kv_connector_metadata, VTokenConnectorMetadata):
             self.worker_side.begin_step(kv_connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        return  # vtoken loads no KV from outside
+        # vtoken loads no KV from outside. Every step is marked has_sync_kv_loads, so both
+        # runners call this before the forward, after handle_preemptions: the slot lists are
+        # built here. Model Runner V2 names the batch's requests (request_ids, row order).
+        if self.worker_side is not None:
+            self.worker_side.prepare_step(kwargs.get("request_ids"))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -9,9 +9,11 @@ core, workers) before building a model. It:
 2. on the CPU platform, which always picks ``CPU_ATTN``, overrides that member
    with a path that resolves to vtoken's backend only when the config being
    built uses the vtoken connector (vLLM's ``CPUAttentionBackend`` otherwise);
-3. wraps ``GPUModelRunner._build_attention_metadata`` / ``_dummy_run`` (the V1
-   runner; the CPU runner inherits them) to publish the batch's request order
-   to vtoken's metadata builder (vLLM's builders do not receive request ids).
+3. wraps ``GPUModelRunner._build_attention_metadata`` / ``_dummy_run`` of the
+   V1 runner (the V1 CPU runner inherits them) to publish the batch's request
+   order to vtoken's metadata builder: on V1 neither the builders nor the
+   connector receive request ids. Model Runner V2 passes them to the
+   connector's ``start_load_kv`` and needs no hook.
 
 The connector itself needs no registration: ``kv_connector_module_path``
 loads it. :func:`register` is idempotent and never raises on an unsupported

@@ -160,6 +160,9 @@ class SchedulerSide:
         self._admitting.clear()
         meta = VTokenConnectorMetadata(step=self.step, events=self.table.journal.take(self._reader),
                                        prompt_tokens=prompt_tokens)
+        # The workers build the step's slot lists in start_load_kv, which both runners call
+        # before the forward only for steps with synchronous loads.
+        so.has_sync_kv_loads = True
         self.stats["relocations"] += meta.num_moves
         self._sample_usage()
         if self.config.checking:

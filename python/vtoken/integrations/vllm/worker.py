@@ -12,9 +12,13 @@ Per step:
   DeviceMirror`, with no host table of its own), then
   ``CopyEngine.before_forward``: the compute stream waits on the last
   relocation event (I3; no host wait);
-- the attention metadata builder calls :meth:`WorkerSide.build_slot_lists`:
+- ``start_load_kv`` (before the forward: the scheduler side marks every step
+  ``has_sync_kv_loads``), :meth:`WorkerSide.prepare_step`:
   ``ops.build_slot_lists`` rebuilds ``kv_indices`` / ``kv_indptr`` /
-  ``slot_mapping`` in fixed-address buffers from the device mirror;
+  ``slot_mapping`` in fixed-address buffers from the device mirror, for the
+  batch in the runner's row order, and the attention metadata vLLM built
+  for the step is pointed at them (Model Runner V2 builds it before it
+  hands the connector the step's events, the V1 runner after);
 - the attention backend adds each layer's ``token_attention`` key scores into
   one per-step buffer (:meth:`WorkerSide.add_key_scores`);
 - ``wait_for_save`` (after the forward): the eviction decision runs on the
@@ -99,6 +103,7 @@ class WorkerSide:
         self._batch_step = -1
         self._prompt_tokens: dict = {}  # request -> tokens to compute before it may evict
         self._decided_steps: deque = deque()  # the scheduler step of each record in the loop's ring
+        self._pending_attention: list = []  # this step's attention metadata, filled by prepare_step
         self.stats = {"steps": 0, "moves": 0, "copies": 0, "event_waits": 0, "slot_lists_built": 0,
                       "slot_list_grows": 0, "decisions": 0, "victims": 0, "worker_meta_bytes": 0}
 
@@ -149,6 +154,43 @@ class WorkerSide:
             self.stats["event_waits"] += 1
         self._meta = meta
         self.stats["steps"] += 1
+
+    def expect_attention(self, meta) -> None:
+        """The attention metadata builder built ``meta`` for this step: :meth:`prepare_step` fills it."""
+        self._pending_attention.append(meta)
+
+    def prepare_step(self, request_ids=None) -> None:
+        """Before the forward: rebuild the slot lists for the batch and point the step's attention metadata at them.
+
+        ``request_ids``: the batch's requests in row order (Model Runner V2
+        passes them to ``start_load_kv``); None takes the order the V1 runner
+        published to the builder. Called after ``handle_preemptions`` on both
+        runners, so the mirror holds the step's events.
+        """
+        if not self._pending_attention:
+            return
+        meta = self._pending_attention[-1]
+        req_ids = list(request_ids) if request_ids is not None else meta.req_ids
+        if req_ids is None:
+            raise InvariantViolation(
+                "vtoken attention: no batch order for this step (neither the runner's request ids in start_load_kv "
+                "nor the V1 plugin hook's); is vtoken's plugin loaded?"
+            )
+        n = min(len(req_ids), meta.num_reqs)
+        bufs = self.build_slot_lists(req_ids[:n], meta.query_lens[:n],
+                                     None if meta.seq_lens is None else meta.seq_lens[:n])
+        if self.checking and meta.slot_mapping is not None and meta.slot_mapping.device.type == "cpu":
+            t = int(meta.query_lens[:n].sum())
+            if not torch.equal(bufs.slot_mapping[:t].to(torch.int64), meta.slot_mapping[:t].to(torch.int64)):
+                raise InvariantViolation("worker mirror: vtoken's slot mapping differs from vLLM's")
+        # NOTE: a view of the fixed-address buffer cut at this batch's live total (known on the
+        # host: an upper bound), so key scores are [total, H] rather than [nnz_max, H].
+        total = max(int(bufs.kv_indptr_host[n]), 1)
+        for m in self._pending_attention:  # one per KV cache group (vtoken runs with one)
+            m.kv_indices = bufs.kv_indices[:total]
+            m.kv_indptr = bufs.kv_indptr[: m.num_reqs + 1]  # rows past n repeat the total: empty
+            m.want_scores = self.want_scores
+        self._pending_attention = []
 
     def build_slot_lists(self, req_ids: list, query_lens: np.ndarray, seq_lens: Optional[np.ndarray] = None):
         """Rebuild the batch's ``kv_indices`` / ``kv_indptr`` / ``slot_mapping`` (fixed addresses).
@@ -264,6 +306,7 @@ class WorkerSide:
 
     def clear(self) -> None:
         self._meta = None
+        self._pending_attention = []
 
     # ---------------------------------------------------------------- checks
     def _capture(self, moves: list) -> dict:
