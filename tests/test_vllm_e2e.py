@@ -4,7 +4,9 @@ Each configuration runs in its own process (``tests/vllm_e2e_helper.py``):
 vLLM caches its attention-backend choice per process, and a fresh engine per
 run keeps the runs independent. All runs are greedy, on token-id prompts.
 
-- (a) the plugin in native mode is token-identical to vanilla vLLM (CPU_ATTN);
+- (a) installed but not configured, vtoken changes nothing (vanilla vLLM
+  gives the tokens of a run without vtoken's plugin); the plugin in native
+  mode is token-identical to vanilla vLLM (CPU_ATTN);
 - (b) with H2O, naive and vtoken are token-identical, vtoken relocates and
   holds fewer blocks (read from vLLM's BlockPool), and eviction really changes
   the outputs (the attention reads only live tokens);
@@ -77,6 +79,8 @@ def runs(model_dir):
     out = {
         # CPU_ATTN needs block sizes that are multiples of 32.
         "vanilla": run_vllm({**base, "block_size": 32}),
+        # vLLM loads only the general plugins VLLM_PLUGINS names: none of vtoken's here.
+        "without_vtoken": run_vllm({**base, "block_size": 32}, VLLM_PLUGINS="no-such-plugin"),
         "native": run_vllm({**base, "block_size": 32, "mode": "native"}),
         "naive": run_vllm({**base, "block_size": 16, "mode": "naive", **H2O, "reclaim": RECLAIM}),
         "vtoken": run_vllm({**base, "block_size": 16, "mode": "vtoken", **H2O, "reclaim": RECLAIM}),
@@ -86,7 +90,9 @@ def runs(model_dir):
 
 
 def test_a_native_mode_is_token_identical_to_vanilla_vllm(runs):
-    assert runs["vanilla"]["backend"] == "CPUAttentionBackend"
+    # Installed but not configured, vtoken changes nothing: the same tokens as without its plugin.
+    assert runs["vanilla"]["outputs"] == runs["without_vtoken"]["outputs"]
+    assert runs["vanilla"]["backend"] == runs["without_vtoken"]["backend"] == "CPUAttentionBackend"
     assert runs["native"]["backend"] == "VTokenAttentionBackend"
     assert runs["native"]["outputs"] == runs["vanilla"]["outputs"]
     assert all(len(o) == PROMPTS["max_tokens"] for o in runs["native"]["outputs"])
@@ -144,31 +150,14 @@ def test_e_outputs_do_not_depend_on_prefill_chunking(model_dir):
     assert vt["stats"]["relocations"] > 0
 
 
-def test_f_async_scheduling_gives_the_synchronous_tokens_and_leaks_nothing(model_dir, runs):
+def run_variant(model_dir, runs, label: str, **variant) -> tuple:
+    """naive and vtoken under a vLLM variant: both give the base (synchronous, V1) naive run's tokens, no leak."""
     base = {"model_dir": model_dir, "make_model": False, **PROMPTS, "block_size": 16, **H2O, "reclaim": RECLAIM,
-            "async_scheduling": True}
+            **variant}
     naive = run_vllm({**base, "mode": "naive"})
     vt = run_vllm({**base, "mode": "vtoken"})
-    print("\nvLLM e2e async:", json.dumps({k: {"stats": v["stats"]} for k, v in (("naive", naive), ("vtoken", vt))}))
-    assert naive["scheduler"] == vt["scheduler"] == "AsyncScheduler"
-    assert runs["vtoken"]["scheduler"] == "Scheduler"
-    assert vt["outputs"] == naive["outputs"] == runs["naive"]["outputs"]
-    assert vt["stats"]["evicted_tokens"] == naive["stats"]["evicted_tokens"] == runs["naive"]["stats"]["evicted_tokens"]
-    assert vt["stats"]["relocations"] > 0 and vt["stats"]["reclaimed_blocks"] > 0
-    for r in (naive, vt):
-        assert r["table_requests_end"] == 0
-        assert r["free_blocks_after_shutdown"] == r["num_gpu_blocks"] - 1
-
-
-def test_g_model_runner_v2_gives_the_v1_tokens_and_leaks_nothing(model_dir, runs):
-    base = {"model_dir": model_dir, "make_model": False, **PROMPTS, "block_size": 16, **H2O, "reclaim": RECLAIM,
-            "model_runner_v2": True}
-    naive = run_vllm({**base, "mode": "naive"})
-    vt = run_vllm({**base, "mode": "vtoken"})
-    print("\nvLLM e2e Model Runner V2:", json.dumps({k: {"stats": v["stats"], "times": v["times"]}
-                                                   for k, v in (("naive", naive), ("vtoken", vt))}))
-    assert naive["runner"] == vt["runner"] == "vllm.v1.worker.cpu.model_runner.CPUModelRunner"  # V2's CPU runner
-    assert runs["naive"]["runner"] == "vllm.v1.worker.cpu_model_runner.CPUModelRunner"  # the V1 one
+    print(f"\nvLLM e2e {label}:", json.dumps({k: {"stats": v["stats"], "times": v["times"]}
+                                             for k, v in (("naive", naive), ("vtoken", vt))}))
     assert naive["backend"] == vt["backend"] == "VTokenAttentionBackend"
     assert vt["outputs"] == naive["outputs"] == runs["naive"]["outputs"]
     assert vt["stats"]["evicted_tokens"] == naive["stats"]["evicted_tokens"] == runs["naive"]["stats"]["evicted_tokens"]
@@ -176,6 +165,19 @@ def test_g_model_runner_v2_gives_the_v1_tokens_and_leaks_nothing(model_dir, runs
     for r in (naive, vt):
         assert r["table_requests_end"] == 0
         assert r["free_blocks_after_shutdown"] == r["num_gpu_blocks"] - 1
+    return naive, vt
+
+
+def test_f_async_scheduling_gives_the_synchronous_tokens_and_leaks_nothing(model_dir, runs):
+    naive, vt = run_variant(model_dir, runs, "async", async_scheduling=True)
+    assert naive["scheduler"] == vt["scheduler"] == "AsyncScheduler"
+    assert runs["naive"]["scheduler"] == "Scheduler"
+
+
+def test_g_model_runner_v2_gives_the_v1_tokens_and_leaks_nothing(model_dir, runs):
+    naive, vt = run_variant(model_dir, runs, "Model Runner V2", model_runner_v2=True)
+    assert naive["runner"] == vt["runner"] == "vllm.v1.worker.cpu.model_runner.CPUModelRunner"  # V2's CPU runner
+    assert runs["naive"]["runner"] == "vllm.v1.worker.cpu_model_runner.CPUModelRunner"  # the V1 one
 
 
 @pytest.mark.slow
