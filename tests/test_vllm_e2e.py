@@ -91,6 +91,7 @@ def runs(model_dir):
 
 def test_a_native_mode_is_token_identical_to_vanilla_vllm(runs):
     # Installed but not configured, vtoken changes nothing: the same tokens as without its plugin.
+    assert runs["vanilla"]["vtoken_plugin_loaded"] and not runs["without_vtoken"]["vtoken_plugin_loaded"]
     assert runs["vanilla"]["outputs"] == runs["without_vtoken"]["outputs"]
     assert runs["vanilla"]["backend"] == runs["without_vtoken"]["backend"] == "CPUAttentionBackend"
     assert runs["native"]["backend"] == "VTokenAttentionBackend"

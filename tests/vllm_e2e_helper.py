@@ -83,6 +83,12 @@ def _lift_cpu_async_override() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
+def _vtoken_plugin_loaded() -> bool:
+    from vtoken.integrations.vllm import plugin
+
+    return bool(plugin._REGISTERED)
+
+
 def _model_runner(core):
     return core.model_executor.driver_worker.worker.model_runner if hasattr(core.model_executor, "driver_worker") \
         else None
@@ -178,6 +184,7 @@ def run(cfg: dict) -> dict:
         "tp": cfg.get("tp", 1),
         "stats": conn.stats() if conn is not None else {},
         "scheduler": type(sched).__name__,
+        "vtoken_plugin_loaded": _vtoken_plugin_loaded(),
         "num_gpu_blocks": int(pool.num_gpu_blocks),
         "free_blocks_end": int(pool.get_num_free_blocks()),
         "times": {"import_s": t1 - t0, "init_s": t2 - t1, "generate_s": t3 - t2},

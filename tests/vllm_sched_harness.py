@@ -119,6 +119,7 @@ class FakeWorker:
             spec = FullAttentionSpec(block_size=bs, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
             self.builder = VTokenAttentionMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], sched.vllm_config,
                                                           torch.device("cpu"))
+            self.builder.runner_v2 = True  # the CPU config picks the V1 runner; this builder plays V2's part
 
     def _rng(self, req_id: str, stream: int):
         """Draws of one request at this step: independent of the batch's row order."""

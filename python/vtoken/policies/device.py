@@ -305,9 +305,12 @@ class DevicePolicyState:
             put(self.last, row)
         if self.history:
             # NOTE: the per-request sum runs in another order than numpy's pairwise sum, so a
-            # token whose mean mass is 1/n to the last bit may be classified differently.
-            total = torch.zeros(batch.num_reqs + 1, dtype=torch.float64, device=row.device)
-            total.index_add_(0, batch.req, row)
+            # token whose mean mass is 1/n to the last bit may be classified differently. It is
+            # a difference of one scan, not atomic adds: the same bits on every run and every
+            # tensor-parallel rank (ranks must decide identically).
+            starts, ends, _ = batch.bounds
+            scan = torch.cat([row.new_zeros(1), torch.cumsum(row, 0)])
+            total = torch.cat([scan[ends] - scan[starts], row.new_zeros(1)])
             live = batch.per_entry(batch.live, 0).to(torch.float64)
             low = (row * live < total[batch.req]).to(torch.int64)  # mean mass below 1 / n_live
             keep = -1 if self.history == 64 else (1 << self.history) - 1

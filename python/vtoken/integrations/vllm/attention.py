@@ -51,6 +51,7 @@ from vllm.v1.attention.backend import (
 )
 
 from vtoken import ops
+from vtoken.errors import InvariantViolation
 from vtoken.integrations.vllm import worker as worker_mod
 from vtoken.layout import KVLayout
 from vtoken_kernels.contracts import MAX_HEAD_DIM
@@ -139,6 +140,8 @@ class VTokenAttentionMetadataBuilder(AttentionMetadataBuilder[VTokenAttentionMet
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        # V2 names the rows' requests to the connector (start_load_kv); V1 only through the plugin's hook.
+        self.runner_v2 = bool(vllm_config.use_v2_model_runner)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> VTokenAttentionMetadata:
@@ -149,6 +152,11 @@ class VTokenAttentionMetadataBuilder(AttentionMetadataBuilder[VTokenAttentionMet
         req_ids = published_batch()
         if worker is None or not worker.ready or req_ids is None:
             return meta  # profiling / warm-up / a dummy batch: no KV to read
+        if req_ids is UNPUBLISHED and not self.runner_v2:
+            raise InvariantViolation(
+                "vtoken attention: the V1 runner's batch order was not published (the plugin's hook on "
+                "GPUModelRunner._build_attention_metadata did not run); is vtoken's plugin loaded?"
+            )
         meta.query_lens = np.diff(cm.query_start_loc_cpu[: cm.num_reqs + 1].numpy().astype(np.int64))
         if worker.checking and cm.seq_lens_cpu_upper_bound is not None:
             meta.seq_lens = cm.seq_lens_cpu_upper_bound[: cm.num_reqs].numpy().copy()

@@ -15,8 +15,9 @@ Keys (all optional):
                      ``headroom_blocks``, ``check_interval``,
                      ``max_src_per_plan``, ``max_moves_per_step``, ``min_gain``,
                      ``force_sync``, ``check_invariants``).
-``drop_tainted_hashes``  never hash (for the prefix cache) a block computed
-                     after a request's first eviction (default ``True``; see
+``drop_tainted_hashes``  in the modes that evict, never hash (for the prefix
+                     cache) a block filled after a request's prompt, whose K/V
+                     may come from a pruned context (default ``True``; see
                      docs/vllm.md, "Prefix caching").
 ``check_invariants`` run vtoken's invariant checks every step on both sides
                      (table/ledger vs vLLM's block lists, mirror vs slot

@@ -69,6 +69,7 @@ class SchedulerSide:
         self._reqs: dict = {}
         self._admitting: dict = {}  # request id -> tokens known when vLLM allocated it this schedule
         self._decided_through = -1  # the workers' decisions of steps up to this one were applied
+        self._recent_decisions: dict = {}  # step -> the decisions applied for it (to compare a late rank's)
         self.bound = False
         self.stats = {
             "steps": 0, "evicted_tokens": 0, "relocations": 0, "plans": 0, "reclaimed_blocks": 0,
@@ -272,13 +273,18 @@ class SchedulerSide:
     # ---------------------------------------------------------- after the step
     def update_output(self, worker_meta) -> None:
         """Evict the victims the workers decided (and have reported) from the table, once each, in step order."""
-        if worker_meta is None or not getattr(worker_meta, "decisions", None):
-            return
         t0 = time.perf_counter()
-        self.stats["worker_meta_bytes"] += worker_meta.nbytes
-        for dec in worker_meta.decisions:
+        decisions = getattr(worker_meta, "decisions", None) or ()
+        if decisions:
+            self.stats["worker_meta_bytes"] += worker_meta.nbytes
+        for dec in decisions:
             if dec.step <= self._decided_through:
-                continue  # reported before by another tensor-parallel rank
+                # Reported before by another tensor-parallel rank: it must have decided the same.
+                seen = self._recent_decisions.get(dec.step)
+                if seen is not None and not seen.same_as(dec):
+                    raise InvariantViolation(f"worker decisions: tensor-parallel ranks decided step {dec.step} "
+                                             "differently")
+                continue
             for rid, _, victims in dec.rows():
                 st = self._reqs.get(rid)
                 if st is None or rid not in self.table or st.admitted_step > dec.step:
@@ -291,6 +297,9 @@ class SchedulerSide:
                 self.stats["decisions_applied"] += 1
                 self._sync(rid)
             self._decided_through = dec.step
+            self._recent_decisions[dec.step] = dec
+            if len(self._recent_decisions) > 64:  # a late rank reports within a few steps
+                del self._recent_decisions[next(iter(self._recent_decisions))]
         self.stats["apply_us"] += (time.perf_counter() - t0) * 1e6
         if self.config.checking:
             self.check()
@@ -338,7 +347,7 @@ class SchedulerSide:
             if (refs < 1).any():
                 raise InvariantViolation(f"surgery: request {rid!r} lists freed blocks {live[refs < 1][:8].tolist()}")
             if st.hashing_frozen and self.config.evicts and self.config.drop_tainted_hashes and self.pool.enable_caching:
-                hashed = [b.block_id for b in self.stm.req_to_blocks[rid][st.prompt_tokens // self.S:]
+                hashed = [b.block_id for b in self.stm.req_to_blocks.get(rid, ())[st.prompt_tokens // self.S:]
                           if not b.is_null and b.block_hash is not None]
                 if hashed:
                     raise InvariantViolation(

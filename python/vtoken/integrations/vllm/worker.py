@@ -36,7 +36,6 @@ Per step:
 from __future__ import annotations
 
 import threading
-from collections import deque
 from typing import Callable, Optional
 
 import numpy as np
@@ -102,7 +101,7 @@ class WorkerSide:
         self._query_lens = np.zeros(0, dtype=np.int64)
         self._batch_step = -1
         self._prompt_tokens: dict = {}  # request -> tokens to compute before it may evict
-        self._decided_steps: deque = deque()  # the scheduler step of each record in the loop's ring
+        self._decided_steps: dict = {}  # the loop's step -> the scheduler step it decided at
         self._pending_attention: list = []  # this step's attention metadata, filled by prepare_step
         self.stats = {"steps": 0, "moves": 0, "copies": 0, "event_waits": 0, "slot_lists_built": 0,
                       "slot_list_grows": 0, "decisions": 0, "victims": 0, "worker_meta_bytes": 0}
@@ -157,6 +156,8 @@ class WorkerSide:
 
     def expect_attention(self, meta) -> None:
         """The attention metadata builder built ``meta`` for this step: :meth:`prepare_step` fills it."""
+        if len(self._pending_attention) >= 8:  # V2 dummy runs build with the connector off: keep the newest
+            del self._pending_attention[0]
         self._pending_attention.append(meta)
 
     def prepare_step(self, request_ids=None) -> None:
@@ -172,10 +173,10 @@ class WorkerSide:
         meta = self._pending_attention[-1]
         req_ids = list(request_ids) if request_ids is not None else meta.req_ids
         if req_ids is None:
-            raise InvariantViolation(
-                "vtoken attention: no batch order for this step (neither the runner's request ids in start_load_kv "
-                "nor the V1 plugin hook's); is vtoken's plugin loaded?"
-            )
+            # Model Runner V2 with no forward this step (it names no requests): what is pending
+            # was built by its dummy runs (warm-up, capture), which run with the connector off.
+            self._pending_attention = []
+            return
         n = min(len(req_ids), meta.num_reqs)
         bufs = self.build_slot_lists(req_ids[:n], meta.query_lens[:n],
                                      None if meta.seq_lens is None else meta.seq_lens[:n])
@@ -278,8 +279,8 @@ class WorkerSide:
             if self.reduce_scores is not None:  # identical masses, hence identical decisions, on every rank
                 self.reduce_scores(self._scores[:total])
             self.loop.add_entry_mass(bufs, n, self._scores)
+        self._decided_steps[self.loop.steps] = step
         self.loop.decide(reqs, bufs, seq_lens=seq, num_new=num_new, defer=defer)
-        self._decided_steps.append(step)
 
     def worker_meta(self) -> VTokenWorkerMetadata:
         """The decisions whose records reached the host since the last report (never waits)."""
@@ -288,7 +289,7 @@ class WorkerSide:
         if self.loop is None:
             return out
         for rec in self.loop.drain():
-            step = self._decided_steps.popleft()
+            step = self._decided_steps.pop(rec.decided_step)
             keep = np.flatnonzero(rec.counts > 0)
             if keep.size == 0:
                 continue
