@@ -497,6 +497,33 @@ def test_model_runner_v2_order_fills_the_attention_metadata_at_start_load_kv(mod
     assert runs[True] == runs[False] and runs[True][1] > 0
 
 
+def test_full_decode_graphs_opt_in_reports_uniform_decode_and_keeps_every_address(model_dir):
+    """``full_decode_graphs``: the builder lets vLLM capture uniform decode; the slot lists never move."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from vtoken.integrations.vllm.attention import VTokenAttentionMetadataBuilder
+
+    runs = {}
+    for full in (False, True):
+        sched, fw = setup(model_dir, "vtoken", n=5, max_tokens=40, v2_builder=True, full_decode_graphs=full)
+        support = VTokenAttentionMetadataBuilder.get_cudagraph_support(sched.vllm_config, None)
+        assert support == (AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if full else AttentionCGSupport.NEVER)
+        decisions = _decisions_of(sched)
+        fw.run()
+        runs[full] = (decisions, fw.tokens)
+        if full:
+            w = fw.worker
+            metas = [m for _, m in fw.attention]
+            assert w.buffers.nnz_max == w.fixed_slot_lists and w.stats["slot_list_grows"] == 0
+            assert {m.kv_indices.data_ptr() for m in metas} == {w.buffers.kv_indices.data_ptr()}
+            assert {m.kv_indices.numel() for m in metas} == {w.buffers.nnz_max}  # whole buffers: fixed shapes
+            assert {m.kv_indptr.data_ptr() for m in metas} == {w.buffers.kv_indptr.data_ptr()}
+            # Decode steps (padded rows included, as vLLM pads a captured batch) take the decode path.
+            assert {m.uniform_decode for m in metas} == {False, True}
+            assert all(m.uniform_decode == (int(m.query_lens.max()) == 1) for m in metas)
+    assert runs[True] == runs[False]
+
+
 def test_preemption_drops_the_request_and_its_blocks(model_dir):
     # A pool too small for every request: vLLM preempts (frees the blocks itself).
     sched, fw = setup(model_dir, "vtoken", n=6, lo=70, hi=90, max_tokens=64, num_blocks=30,

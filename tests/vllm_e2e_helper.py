@@ -156,7 +156,7 @@ def run(cfg: dict) -> dict:
     if cfg.get("mode") is not None:
         # Without "check_invariants" the connector follows VTOKEN_DEBUG_INVARIANTS (run_vllm passes the suite's).
         extra = {"mode": cfg["mode"]}
-        for k in ("policy", "policy_config", "reclaim", "check_invariants"):
+        for k in ("policy", "policy_config", "reclaim", "check_invariants", "full_decode_graphs"):
             if k in cfg:
                 extra[k] = cfg[k]
         kw["kv_transfer_config"] = KVTransferConfig(

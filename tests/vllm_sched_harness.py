@@ -95,10 +95,12 @@ class FakeWorker:
         nb, bs = side.pool.num_gpu_blocks, side.S
         self.cache = torch.zeros(nb, NUM_KV_HEADS, bs, 2 * HEAD_DIM, dtype=torch.float32)
         rc = side.reclaim_config
-        self.worker = WorkerSide(max_reqs=sched.scheduler_config.max_num_seqs,
-                                 max_tokens=sched.scheduler_config.max_num_batched_tokens,
+        sc = sched.scheduler_config
+        fixed = sc.max_num_seqs * sched.vllm_config.model_config.max_model_len if side.config.full_decode_graphs \
+            else None  # as the connector sizes them
+        self.worker = WorkerSide(max_reqs=sc.max_num_seqs, max_tokens=sc.max_num_batched_tokens,
                                  max_moves=rc.max_moves_per_step, policy=side.config.make_policy(),
-                                 checking=checking)
+                                 checking=checking, fixed_slot_lists=fixed)
         self.worker.register_kv_caches({"model.layers.0.self_attn.attn": self.cache})
         self.seed = int(seed)
         self.bs = bs
@@ -201,9 +203,10 @@ class FakeWorker:
         slot_mapping = np.concatenate([table.slots(r)[table.num_tokens(r) - k:table.num_tokens(r)]
                                        for r, k in zip(reqs, qlens)]) if reqs else np.zeros(0, np.int32)
         n = len(reqs) + pad
+        decode = bool(reqs) and max(qlens) == 1  # vLLM pads a decode batch's tokens with its rows
         cm = CommonAttentionMetadata(
             query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=torch.zeros(n, dtype=torch.int32),
-            num_reqs=n, num_actual_tokens=t, max_query_len=max(qlens, default=0), max_seq_len=0,
+            num_reqs=n, num_actual_tokens=n if decode else t, max_query_len=max(qlens, default=0), max_seq_len=0,
             block_table_tensor=torch.zeros(n, 1, dtype=torch.int32),
             slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)), req_idx=np.arange(len(reqs)),
         )
@@ -211,7 +214,10 @@ class FakeWorker:
         worker_mod.set_current(w)
         try:
             meta = self.builder.build(0, cm)
-            assert meta.kv_indices is None  # nothing to read before the connector has the step
+            if w.fixed_slot_lists is None:
+                assert meta.kv_indices is None  # nothing to read before the connector has the step
+            else:  # the whole fixed buffer from the start, as a captured graph reads it
+                assert meta.kv_indices is w.buffers.kv_indices
             w.begin_step(so.kv_connector_metadata)
             w.prepare_step(request_ids=list(reqs))
         finally:

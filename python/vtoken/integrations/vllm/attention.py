@@ -16,13 +16,17 @@ from the tensor. New K/V are written at vLLM's ``slot_mapping`` (PAD -1
 skipped): by vLLM's ``reshape_and_cache_flash`` on CUDA (the FlashAttention
 backend's write), by an indexed copy on CPU.
 
-CUDA graphs: the builder reports ``AttentionCGSupport.NEVER``, so vLLM runs
-attention eagerly between the pieces of a PIECEWISE graph (``cudagraph_mode``
-``NONE`` and ``PIECEWISE`` work; vLLM downgrades its default
-``FULL_AND_PIECEWISE`` to ``PIECEWISE`` and rejects ``FULL``). The slot lists live in fixed-address buffers
-(:class:`vtoken.buffers.SlotListBuffers`), so a full-graph capture is
-possible later; what stops it today is the per-step host bookkeeping of the
-builder (batch order, score split), see docs/vllm.md.
+CUDA graphs: by default the builder reports ``AttentionCGSupport.NEVER``, so
+vLLM runs attention eagerly between the pieces of a PIECEWISE graph
+(``cudagraph_mode`` ``NONE`` and ``PIECEWISE`` work; vLLM downgrades its
+default ``FULL_AND_PIECEWISE`` to ``PIECEWISE`` and rejects ``FULL``). With
+the connector's ``full_decode_graphs`` it reports
+``UNIFORM_SINGLE_TOKEN_DECODE``: the metadata of every batch then points at
+the worker's fixed-address slot lists (sized for the worst case, never moved,
+padding rows empty), uniform decode takes the decode kernel path (launch
+parameters from shapes only), and the key-score accumulation is a kernel of
+the forward, so a captured graph replays the step. Not yet run on a GPU: see
+docs/vllm.md, "CUDA graphs".
 
 Selection: ``AttentionBackendEnum.CUSTOM`` (registered by the plugin; select
 it with ``attention_config={"backend": "CUSTOM"}``). The CPU platform always
@@ -132,10 +136,18 @@ class VTokenAttentionMetadata:
     kv_indices: Optional[torch.Tensor] = None  # int32 [>= total] (fixed-address buffer), None: no KV this step
     kv_indptr: Optional[torch.Tensor] = None  # int32 [num_reqs + 1], padding rows empty
     want_scores: bool = False
+    uniform_decode: bool = False  # one query per request (padded rows included): the decode kernel path
 
 
 class VTokenAttentionMetadataBuilder(AttentionMetadataBuilder[VTokenAttentionMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        """Full graphs for uniform decode batches when the connector opts in (``full_decode_graphs``)."""
+        if full_decode_graphs(vllm_config):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -147,11 +159,15 @@ class VTokenAttentionMetadataBuilder(AttentionMetadataBuilder[VTokenAttentionMet
               fast_build: bool = False) -> VTokenAttentionMetadata:
         cm = common_attn_metadata
         q_indptr = cm.query_start_loc[: cm.num_reqs + 1]
-        meta = VTokenAttentionMetadata(cm.num_actual_tokens, cm.num_reqs, q_indptr)
+        meta = VTokenAttentionMetadata(cm.num_actual_tokens, cm.num_reqs, q_indptr,
+                                       uniform_decode=cm.max_query_len == 1 and cm.num_actual_tokens == cm.num_reqs)
         worker = worker_mod.current()
         req_ids = published_batch()
-        if worker is None or not worker.ready or req_ids is None:
-            return meta  # profiling / warm-up / a dummy batch: no KV to read
+        if worker is None or not worker.ready:
+            return meta  # profiling before the KV caches exist: no KV to read
+        if req_ids is None:  # the V1 runner's dummy batch (warm-up, CUDA-graph capture)
+            worker.attach_fixed_slot_lists(meta)  # a captured graph must read the fixed buffers
+            return meta
         if req_ids is UNPUBLISHED and not self.runner_v2:
             raise InvariantViolation(
                 "vtoken attention: the V1 runner's batch order was not published (the plugin's hook on "
@@ -231,9 +247,12 @@ class VTokenAttentionImpl(AttentionImpl):
         if attn_metadata.kv_indices is None:
             out.zero_()
             return output
+        # Uniform decode takes the decode path (no q_indptr): its launch depends only on shapes, so a
+        # full CUDA graph captured over the fixed-address slot lists replays correctly.
         res = ops.token_attention(
             query[:t], kv_cache, self._layout_of(kv_cache), attn_metadata.kv_indices, attn_metadata.kv_indptr,
-            attn_metadata.q_indptr, scale=self.scale, return_key_scores=attn_metadata.want_scores, out=out,
+            None if attn_metadata.uniform_decode else attn_metadata.q_indptr, scale=self.scale,
+            return_key_scores=attn_metadata.want_scores, out=out,
         )
         if attn_metadata.want_scores:
             worker_mod.current().add_key_scores(res[1])
@@ -253,6 +272,16 @@ def vtoken_selected(vllm_config=None) -> bool:
     return kvt is not None and kvt.kv_connector == CONNECTOR_NAME and bool(
         (kvt.kv_connector_module_path or "").startswith("vtoken.")
     )
+
+
+def full_decode_graphs(vllm_config) -> bool:
+    """Whether the vtoken connector of ``vllm_config`` opts in to full decode graphs."""
+    if not vtoken_selected(vllm_config):
+        return False
+    from vtoken.integrations.vllm.config import VTokenVLLMConfig
+
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    return VTokenVLLMConfig.from_extra_config(extra).full_decode_graphs
 
 
 def __getattr__(name: str):

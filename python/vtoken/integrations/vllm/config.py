@@ -19,6 +19,12 @@ Keys (all optional):
                      cache) a block filled after a request's prompt, whose K/V
                      may come from a pruned context (default ``True``; see
                      docs/vllm.md, "Prefix caching").
+``full_decode_graphs``  let vLLM replay uniform decode batches from full CUDA
+                     graphs (the builder then reports
+                     ``UNIFORM_SINGLE_TOKEN_DECODE``; default ``False``: it
+                     has not run on a GPU yet, see docs/vllm.md, "CUDA graphs").
+                     The slot-list buffers are then sized for the worst case
+                     (``max_num_seqs x max_model_len`` entries) and never move.
 ``check_invariants`` run vtoken's invariant checks every step on both sides
                      (table/ledger vs vLLM's block lists, mirror vs slot
                      mapping, I1 around copies). ``None`` (default) reads
@@ -34,7 +40,7 @@ from typing import Any, Optional
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, debug_checks_enabled
 
 MODES = ("native", "naive", "vtoken")
-_KEYS = ("mode", "policy", "policy_config", "reclaim", "drop_tainted_hashes", "check_invariants")
+_KEYS = ("mode", "policy", "policy_config", "reclaim", "drop_tainted_hashes", "full_decode_graphs", "check_invariants")
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class VTokenVLLMConfig:
     policy_config: dict = field(default_factory=dict)
     reclaim: dict = field(default_factory=dict)
     drop_tainted_hashes: bool = True
+    full_decode_graphs: bool = False
     check_invariants: Optional[bool] = None
 
     def __post_init__(self):
@@ -60,8 +67,9 @@ class VTokenVLLMConfig:
                 raise InvalidTypeError(f"{name}: expected a dict, got {type(getattr(self, name)).__name__}")
         if "mode" in self.reclaim:
             raise InvalidArgumentError("reclaim: expected no 'mode' key (the connector's 'mode' sets it), got one")
-        if not isinstance(self.drop_tainted_hashes, bool):
-            raise InvalidTypeError(f"drop_tainted_hashes: expected a bool, got {type(self.drop_tainted_hashes).__name__}")
+        for name in ("drop_tainted_hashes", "full_decode_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidTypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
         if self.check_invariants is not None and not isinstance(self.check_invariants, bool):
             raise InvalidTypeError(f"check_invariants: expected a bool or None, got {type(self.check_invariants).__name__}")
         # Build both once so a bad policy or reclaim config fails at startup, naming the key.

@@ -93,11 +93,17 @@ class VTokenConnector(KVConnectorBase_V1):
 
             rc = self.vtoken_config.make_reclaim_config()
             sc = vllm_config.scheduler_config
+            # A full decode graph's batch is padded up to a capture size, which may pass max_num_seqs.
+            capture = vllm_config.compilation_config.max_cudagraph_capture_size or 0
+            full = self.vtoken_config.full_decode_graphs
             self.worker_side = worker.WorkerSide(
-                max_reqs=sc.max_num_seqs, max_tokens=sc.max_num_batched_tokens,
+                max_reqs=max(sc.max_num_seqs, capture) if full else sc.max_num_seqs,
+                max_tokens=max(sc.max_num_batched_tokens, capture) if full else sc.max_num_batched_tokens,
                 max_moves=rc.max_moves_per_step, policy=self.vtoken_config.make_policy(),
                 reduce_scores=_tensor_parallel_sum(vllm_config), force_sync=rc.force_sync,
                 checking=self.vtoken_config.checking,
+                fixed_slot_lists=(sc.max_num_seqs * vllm_config.model_config.max_model_len
+                                  if self.vtoken_config.full_decode_graphs else None),
             )
             worker.set_current(self.worker_side)
         logger.info("vtoken connector (%s role): mode=%s policy=%s", role.name, self.vtoken_config.mode,

@@ -75,16 +75,19 @@ class WorkerSide:
         max_moves: relocation moves per step bound (``reclaim.max_moves_per_step``).
         policy: the eviction policy (with a device path), or None (native mode: no decisions).
         reduce_scores: sums a float tensor over the tensor-parallel ranks in place (None: one rank).
+        fixed_slot_lists: size the slot lists for this many entries and never move them (full CUDA
+            graphs replay captured addresses); None: sized by physical slots, grown when needed.
         force_sync: the host waits on every relocation copy (ablation).
         checking: run the debug checks (slot mapping vs vLLM's, I1 around copies).
     """
 
     def __init__(self, *, max_reqs: int, max_tokens: int, max_moves: int, policy=None,
                  reduce_scores: Optional[Callable[[torch.Tensor], None]] = None, force_sync: bool = False,
-                 checking: bool = False):
+                 checking: bool = False, fixed_slot_lists: Optional[int] = None):
         self.max_reqs, self.max_tokens, self.max_moves = int(max_reqs), int(max_tokens), int(max_moves)
         self.policy = policy
         self.reduce_scores = reduce_scores
+        self.fixed_slot_lists = None if fixed_slot_lists is None else int(fixed_slot_lists)
         self.force_sync = bool(force_sync)
         self.checking = bool(checking)
         self.mirror: Optional[DeviceMirror] = None
@@ -124,7 +127,7 @@ class WorkerSide:
                 raise InvalidArgumentError("kv_caches: expected every layer with the same shape, strides and dtype")
         self.kv_caches = caches
         self.device = caches[0].device
-        nnz_max = self.layout.num_blocks * self.layout.block_size  # every live token holds its own slot
+        nnz_max = self.fixed_slot_lists or self.layout.num_blocks * self.layout.block_size  # physical slots
         self.mirror = DeviceMirror(None, self.device)  # fed with the scheduler table's events
         self.buffers = SlotListBuffers(max_reqs=self.max_reqs, nnz_max=nnz_max, max_tokens=self.max_tokens,
                                        device=self.device)
@@ -155,10 +158,22 @@ class WorkerSide:
         self.stats["steps"] += 1
 
     def expect_attention(self, meta) -> None:
-        """The attention metadata builder built ``meta`` for this step: :meth:`prepare_step` fills it."""
+        """The attention metadata builder built ``meta`` for this step: :meth:`prepare_step` fills it.
+
+        With fixed slot lists it points at the buffers at once: a dummy run (warm-up, CUDA-graph
+        capture), which runs with the connector off, then attends over them as they are.
+        """
+        self.attach_fixed_slot_lists(meta)
         if len(self._pending_attention) >= 8:  # V2 dummy runs build with the connector off: keep the newest
             del self._pending_attention[0]
         self._pending_attention.append(meta)
+
+    def attach_fixed_slot_lists(self, meta) -> None:
+        """With fixed slot lists, point ``meta`` at the buffers as they are (a dummy or captured batch too)."""
+        if self.fixed_slot_lists is not None:
+            meta.kv_indices = self.buffers.kv_indices
+            meta.kv_indptr = self.buffers.kv_indptr[: meta.num_reqs + 1]
+            meta.want_scores = self.want_scores
 
     def prepare_step(self, request_ids=None) -> None:
         """Before the forward: rebuild the slot lists for the batch and point the step's attention metadata at them.
@@ -188,7 +203,8 @@ class WorkerSide:
         # host: an upper bound), so key scores are [total, H] rather than [nnz_max, H].
         total = max(int(bufs.kv_indptr_host[n]), 1)
         for m in self._pending_attention:  # one per KV cache group (vtoken runs with one)
-            m.kv_indices = bufs.kv_indices[:total]
+            # Whole buffers with fixed slot lists: a replayed graph reads the addresses and shapes it captured.
+            m.kv_indices = bufs.kv_indices if self.fixed_slot_lists is not None else bufs.kv_indices[:total]
             m.kv_indptr = bufs.kv_indptr[: m.num_reqs + 1]  # rows past n repeat the total: empty
             m.want_scores = self.want_scores
         self._pending_attention = []
@@ -229,6 +245,9 @@ class WorkerSide:
         need = sum(self.mirror.live_count(r) for r in req_ids)
         if need <= self.buffers.nnz_max:
             return
+        if self.fixed_slot_lists is not None:  # max_num_seqs x max_model_len bounds every batch
+            raise InvariantViolation(f"worker: the batch lists {need} keys, past the fixed slot lists' "
+                                     f"{self.buffers.nnz_max} (max_num_seqs x max_model_len)")
         nnz_max = max(need, self.buffers.nnz_max * 3 // 2)
         self.buffers = SlotListBuffers(max_reqs=self.max_reqs, nnz_max=nnz_max, max_tokens=self.max_tokens,
                                        device=self.device)
