@@ -312,11 +312,9 @@ class WorkerSide:
             keep = np.flatnonzero(rec.counts > 0)
             if keep.size == 0:
                 continue
+            # Leaving out the rows with no victim leaves the CSR values as they are.
             tids = rec.token_ids.astype(np.int32)
             counts = rec.counts.astype(np.int32)
-            if keep.size != counts.size:
-                ends = np.cumsum(counts)
-                tids = np.concatenate([tids[ends[i] - counts[i]: ends[i]] for i in keep])
             out.decisions.append(StepDecisions(step, tuple(rec.reqs[i] for i in keep),
                                                rec.seq_lens[keep].astype(np.int32), counts[keep], tids))
             self.stats["decisions"] += int(keep.size)
