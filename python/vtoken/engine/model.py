@@ -431,20 +431,24 @@ class LlamaModel(nn.Module):
             from vtoken.checkpoints.gguf_llama import read_gguf_llama
 
             ck = read_gguf_llama(path)
-            cfg = {k: v for k, v in ck.config.items() if k != "torch_dtype"}
-            cfg["dtype"] = dtype if dtype is not None else "float32"
-            model = cls(ModelConfig.from_dict(cfg, strict=False), device="cpu", init_weights=False)
-            model.load_hf_state_dict(ck.tensors)
-            return model.to(device)
+            cfg, state = dict(ck.config), ck.tensors
+        else:
+            cfg, state = cls._read_hf_dir(path)
+        ck_dtype = cfg.pop("dtype", None)
+        ck_dtype = cfg.pop("torch_dtype", None) or ck_dtype
+        cfg["dtype"] = dtype if dtype is not None else (ck_dtype or "float32")
+        model = cls(ModelConfig.from_dict(cfg, strict=False), device="cpu", init_weights=False)
+        model.load_hf_state_dict(state)
+        return model.to(device)
+
+    @staticmethod
+    def _read_hf_dir(path: str) -> tuple[dict, dict]:
+        """``(config.json as a dict, every *.safetensors tensor)`` of a Hugging Face checkpoint directory."""
         cfg_file = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
             raise InvalidArgumentError(f"path: expected a local checkpoint directory with config.json, got {path!r}")
         with open(cfg_file) as f:
             cfg = json.load(f)
-        ck_dtype = cfg.pop("dtype", None)
-        ck_dtype = cfg.pop("torch_dtype", None) or ck_dtype
-        cfg["dtype"] = dtype if dtype is not None else (ck_dtype or "float32")
-        config = ModelConfig.from_dict(cfg, strict=False)
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             raise InvalidArgumentError(f"path: expected *.safetensors weights in {path!r}, got none")
@@ -455,9 +459,7 @@ class LlamaModel(nn.Module):
         state = {}
         for fname in files:
             state.update(load_file(fname, device="cpu"))
-        model = cls(config, device="cpu", init_weights=False)
-        model.load_hf_state_dict(state)
-        return model.to(device)
+        return cfg, state
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int, *, layout: str = "nhd",
                            device: torch.device | str | None = None) -> tuple[list[torch.Tensor], KVLayout]:
