@@ -267,8 +267,12 @@ class SchedulerSide:
         any length. Its prompt blocks, filled before, keep their hashes.
         """
         st.hashing_frozen = True
-        if self.config.evicts and self.config.drop_tainted_hashes and self.pool.enable_caching:
+        if self._hashing_stops_after_prompts:
             self.stm.num_cached_block[rid] = NEVER_HASH_MORE
+
+    @property
+    def _hashing_stops_after_prompts(self) -> bool:
+        return self.config.evicts and self.config.drop_tainted_hashes and self.pool.enable_caching
 
     # ---------------------------------------------------------- after the step
     def update_output(self, worker_meta) -> None:
@@ -346,7 +350,7 @@ class SchedulerSide:
             refs = self.alloc.ref_count(live) if live.size else np.zeros(0)
             if (refs < 1).any():
                 raise InvariantViolation(f"surgery: request {rid!r} lists freed blocks {live[refs < 1][:8].tolist()}")
-            if st.hashing_frozen and self.config.evicts and self.config.drop_tainted_hashes and self.pool.enable_caching:
+            if st.hashing_frozen and self._hashing_stops_after_prompts:
                 hashed = [b.block_id for b in self.stm.req_to_blocks.get(rid, ())[st.prompt_tokens // self.S:]
                           if not b.is_null and b.block_hash is not None]
                 if hashed:
