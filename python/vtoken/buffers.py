@@ -81,7 +81,8 @@ class SlotListBuffers:
         new_token_counts int64 [max_reqs]     build argument
 
     Host mirrors (no device read): ``num_reqs``, ``kv_indptr_host`` (int64,
-    from the mirror's live counts), ``num_new_tokens``.
+    from the mirror's live counts), ``num_tokens_host`` (int64, the build's
+    ``num_tokens``), ``num_new_tokens``.
 
     Example:
         >>> bufs = SlotListBuffers(max_reqs=4, nnz_max=64, max_tokens=8, device="cpu")
@@ -106,6 +107,7 @@ class SlotListBuffers:
         self.reqs: list = []
         self.num_new_tokens = 0
         self.kv_indptr_host = np.zeros(self.max_reqs + 1, dtype=np.int64)
+        self.num_tokens_host = np.zeros(self.max_reqs, dtype=np.int64)
 
 
 class DeltaShipper:
@@ -528,6 +530,8 @@ class DeviceMirror:
         buffers.num_reqs = n
         buffers.reqs = reqs  # the batch, in order (what a consumer of the lists checks against)
         buffers.num_new_tokens = int(k.sum())
+        buffers.num_tokens_host[:n] = ntok
+        buffers.num_tokens_host[n:] = 0
         buffers.kv_indptr_host[0] = 0
         buffers.kv_indptr_host[1 : n + 1] = np.cumsum(live)
         buffers.kv_indptr_host[n + 1 :] = buffers.kv_indptr_host[n]

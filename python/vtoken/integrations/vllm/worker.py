@@ -287,7 +287,7 @@ class WorkerSide:
     def _decide(self, step: int) -> None:
         """The device decision over the batch just attended (no host sync)."""
         reqs, n, bufs = self._batch, len(self._batch), self.buffers
-        seq = np.fromiter((self.mirror.num_tokens(r) for r in reqs), dtype=np.int64, count=n)
+        seq = bufs.num_tokens_host[:n].copy()  # as the slot lists were built (the mirror has not changed since)
         prompt = np.fromiter((self._prompt_tokens.get(r, 0) for r in reqs), dtype=np.int64, count=n)
         qlen = self._query_lens
         defer = seq < prompt  # mid-prompt: no eviction, its masses wait for the prompt's last chunk
