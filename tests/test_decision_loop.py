@@ -37,6 +37,10 @@ CONFIGS = [
     ("scissorhands", {"budget": 0.5, "window": 2, "history": 4}),
     ("snapkv", {"budget": 10, "window": 3}),
     ("random", {"budget": 0.5, "window": 2, "seed": 7}),
+    # prefill compression: one decision when the prompt completes, none after
+    ("h2o", {"budget": 0.5, "window": 3, "at": "prefill"}),
+    ("tova", {"budget": 0.5, "window": 2, "sink": 1, "at": "prefill"}),
+    ("streamingllm", {"budget": 0.5, "window": 2, "at": "prefill"}),
 ]
 
 
@@ -71,7 +75,8 @@ class Pair:
         nnz = int(self.bufs.kv_indptr_host[len(order)])
         indptr = self.bufs.kv_indptr[: len(order) + 1].numpy()
         votes = self.policy.score_source == "window"
-        window_step = votes and self.loop.steps == 0
+        prompt_step = self.loop.steps == 0  # the first step is every request's whole prompt
+        window_step = votes and prompt_step
         mass = _masses(self.rng, nnz, coarse)
         kv_pos = self.bufs.kv_pos[:nnz].numpy().astype(np.int64)
         if self.policy.score_source == "exact":
@@ -83,19 +88,20 @@ class Pair:
             ws[:nnz, 0] = torch.from_numpy(mass)
             ws[:nnz, 1] = torch.from_numpy(mass[::-1].copy())
         seq_lens = np.array([self.b.num_tokens(r) for r in order])
-        self.loop.decide(order, self.bufs, seq_lens=seq_lens, num_new=np.ones(len(order), dtype=np.int64) if votes else counts,
-                         window_scores=ws)
+        self.loop.decide(order, self.bufs, seq_lens=seq_lens, num_new=counts,
+                         prompt_done=np.full(len(order), prompt_step), window_scores=ws)
         evicted = 0
         for i, r in enumerate(order):
             ids = self.b.live_ids(r)
             assert np.array_equal(ids, kv_pos[indptr[i]: indptr[i + 1]])
             if self.accs[r] is not None:
                 self.accs[r].update(ids, mass[indptr[i]: indptr[i + 1]])
-            if votes and not window_step:
+            decides, num_new = self.policy.decision_plan(counts[i: i + 1], [prompt_step])
+            if not decides[0]:
                 continue
             w = ws[indptr[i]: indptr[i + 1]].numpy() if window_step else None
             view = self.policy.view(r, int(seq_lens[i]), ids, seq_len=int(seq_lens[i]),
-                                    num_new=1 if votes else int(counts[i]), scores=self.accs[r], window_scores=w)
+                                    num_new=int(num_new[0]), scores=self.accs[r], window_scores=w)
             victims = self.policy.select_victims(view)
             if len(victims):
                 self.b.evict(r, victims)
@@ -219,7 +225,7 @@ def test_a_deferred_chunked_prompt_decides_as_one_unchunked_prefill(name, cfg):
     parts = {r: [np.where(np.arange(prompt) < e, _masses(rng, prompt, True), 0).astype(np.float32) for e in ends[r]]
              for r in (0, 1)}
 
-    def step(run, counts, masses, num_new, defer):
+    def step(run, counts, masses, num_new, defer, prompt_done=(False, False)):
         table, mirror, bufs, loop = run
         loop.drain()
         assert table.sync_new_tokens_batch([0, 1], counts) is not None
@@ -231,15 +237,16 @@ def test_a_deferred_chunked_prompt_decides_as_one_unchunked_prefill(name, cfg):
             if loop.token_mass is not None:
                 loop.token_mass[mp] += torch.from_numpy(masses[i][: hi - lo])
         seq = np.array([table.num_tokens(r) for r in (0, 1)])
-        loop.decide([0, 1], bufs, seq_lens=seq, num_new=np.asarray(num_new), defer=np.asarray(defer))
+        loop.decide([0, 1], bufs, seq_lens=seq, num_new=np.asarray(num_new), defer=np.asarray(defer),
+                    prompt_done=np.asarray(prompt_done))
 
     whole, chunked = runs
-    step(whole, [prompt, prompt], [sum(parts[r]) for r in (0, 1)], [prompt, prompt], [False, False])
+    step(whole, [prompt, prompt], [sum(parts[r]) for r in (0, 1)], [prompt, prompt], [False, False], [True, True])
     for k in range(3):
         last = k == 2
         counts = [chunks[r][k] for r in (0, 1)]
         masses = [parts[r][k][: ends[r][k]] for r in (0, 1)]
-        step(chunked, counts, masses, [prompt if last else c for c in counts], [not last, not last])
+        step(chunked, counts, masses, [prompt if last else c for c in counts], [not last, not last], [last, last])
         if not last:
             chunked[3].drain_all()
             assert [chunked[0].live_count(r) for r in (0, 1)] == [ends[0][k], ends[1][k]]  # nothing evicted mid-prompt

@@ -42,6 +42,11 @@ PROMPT, TOTAL = 13, 40  # odd prompt length; 27 decode steps
 # --------------------------------------------------------------------------- the hand-built model
 
 
+def sinkless(name: str, **cfg):
+    """The references and hand examples here protect no sink unless told (the default sink is 4)."""
+    return P.get(name, **{"sink": 0, **cfg})
+
+
 def make_logits(seed: int, hq: int, t: int = TOTAL) -> np.ndarray:
     """[hq, t, t] logits: noise plus heavy-hitter keys 0, 5 and 11 that every query likes."""
     rng = np.random.default_rng(seed)
@@ -183,7 +188,7 @@ WINDOWS = [0, 3]
 def test_h2o_matches_reference(seed, heads, budget, window):
     hq, hkv = heads
     logits = make_logits(seed, hq)
-    got = run_policy(P.get("h2o", budget=budget_cfg(budget), window=window), logits, hkv)
+    got = run_policy(sinkless("h2o", budget=budget_cfg(budget), window=window), logits, hkv)
     assert got == ref_h2o(logits, budget, window)
     assert any(got), "the budget must force evictions, or the test proves nothing"
 
@@ -195,7 +200,7 @@ def test_h2o_matches_reference(seed, heads, budget, window):
 def test_scissorhands_matches_reference(seed, heads, budget, window, history):
     hq, hkv = heads
     logits = make_logits(seed, hq)
-    policy = P.get("scissorhands", budget=budget_cfg(budget), window=window, history=history)
+    policy = sinkless("scissorhands", budget=budget_cfg(budget), window=window, history=history)
     got = run_policy(policy, logits, hkv)
     assert got == ref_scissorhands(logits, budget, window, history)
     assert any(got)
@@ -208,7 +213,7 @@ def test_scissorhands_matches_reference(seed, heads, budget, window, history):
 def test_tova_matches_reference(seed, heads, budget, window):
     hq, hkv = heads
     logits = make_logits(seed, hq)
-    got = run_policy(P.get("tova", budget=budget_cfg(budget), window=window), logits, hkv)
+    got = run_policy(sinkless("tova", budget=budget_cfg(budget), window=window), logits, hkv)
     assert got == ref_tova(logits, budget, window)
     assert all(len(v) <= 1 for v in got) and any(got)
 
@@ -253,7 +258,7 @@ def test_snapkv_matches_reference(seed, heads, pooling, n, window, budget):
     q = torch.randn(n, hq, 16, generator=g)
     k = torch.randn(n, hkv, 16, generator=g)
     k[[2, 9, n // 2]] *= 3.0  # planted strong keys
-    policy = P.get("snapkv", budget=budget, window=window, pooling=pooling)
+    policy = sinkless("snapkv", budget=budget, window=window, pooling=pooling)
     ids = np.arange(n)
     expect = ref_snapkv(q, k, window, budget - window, pooling)
     # per query head, as SnapKV pools; with avgpool (linear) the GQA-summed scores give the same answer
@@ -270,7 +275,7 @@ def test_snapkv_matches_reference(seed, heads, pooling, n, window, budget):
 
 
 def test_h2o_hand_example():
-    p = P.get("h2o", budget=5, window=2)
+    p = sinkless("h2o", budget=5, window=2)
     acc = p.make_accumulator()
     ids = np.arange(7)
     acc.update(ids, np.array([[0.6, 0.5], [0.1, 0.0], [0.2, 0.3], [0.05, 0.05], [0.3, 0.1], [0.1, 0.1], [0.0, 0.1]]))
@@ -282,7 +287,7 @@ def test_h2o_hand_example():
 
 @pytest.mark.parametrize("history,expected", [(2, [2, 3]), (3, [1, 3])])
 def test_scissorhands_hand_example(history, expected):
-    p = P.get("scissorhands", budget=3, window=1, history=history)
+    p = sinkless("scissorhands", budget=3, window=1, history=history)
     acc = p.make_accumulator()
     ids = np.arange(5)
     for s in ([0.5, 0.05, 0.3, 0.1, 0.05], [0.4, 0.3, 0.1, 0.15, 0.05], [0.3, 0.3, 0.3, 0.05, 0.05]):
@@ -293,7 +298,7 @@ def test_scissorhands_hand_example(history, expected):
 
 
 def test_tova_hand_example():
-    p = P.get("tova", budget=3)
+    p = sinkless("tova", budget=3)
     acc = p.make_accumulator()
     acc.update(np.arange(5), np.array([0.3, 0.1, 0.05, 0.25, 0.01]))
     # id 4 is the current step's token: never evicted, even with the lowest score; one victim per step
@@ -302,7 +307,7 @@ def test_tova_hand_example():
 
 @pytest.mark.parametrize("pooling", ["avgpool", "maxpool"])
 def test_snapkv_hand_example(pooling):
-    p = P.get("snapkv", budget=6, window=2, pooling=pooling)
+    p = sinkless("snapkv", budget=6, window=2, pooling=pooling)
     votes = np.zeros(10)
     votes[[0, 7]] = [1.0, 5.0]
     # pooled (k=5): avg .2 .2 .2 0 0 1 1 1 | max 1 1 1 0 0 5 5 5; keep 4 prefix keys + window 8, 9:
@@ -314,7 +319,7 @@ def test_snapkv_hand_example(pooling):
 @pytest.mark.parametrize("pooling,expected", [("avgpool", [0, 3, 4, 5]), ("maxpool", [0, 1, 2, 5])])
 def test_snapkv_pools_the_prefix_only(pooling, expected):
     """The window's own keys (huge self-votes) must not leak into the pooled votes of the prefix's tail."""
-    p = P.get("snapkv", budget=4, window=2, pooling=pooling)
+    p = sinkless("snapkv", budget=4, window=2, pooling=pooling)
     votes = np.array([0.5, 0.5, 0.5, 0.0, 0.0, 0.0, 8.0, 8.0])
     # avg: .3 .3 .3 .2 .1 0 -> evict 5, 4, 3, then the oldest of the .3 tie; max: .5 x5, 0 -> evict 5, 0, 1, 2
     assert p.select_victims(p.view(0, 0, np.arange(8), window_scores=votes)).tolist() == expected
@@ -364,7 +369,7 @@ def test_budget_and_protection_hold_for_every_policy(name, length, keep_frac, bu
 
 @pytest.mark.parametrize("name", NAMES)
 def test_within_budget_evicts_nothing(name):
-    policy = P.get(name, budget=50)
+    policy = sinkless(name, budget=50)
     rng = np.random.default_rng(0)
     view = _view_for(policy, rng, np.arange(50), 50, 1)
     assert policy.select_victims(view).size == 0
@@ -372,14 +377,14 @@ def test_within_budget_evicts_nothing(name):
 
 @pytest.mark.parametrize("name", ["h2o", "scissorhands", "random", "streamingllm"])
 def test_steady_state_stays_at_budget(name):
-    policy = P.get(name, budget=12, window=4)
+    policy = sinkless(name, budget=12, window=4)
     hist = run_policy(policy, make_logits(3, 2), 2, prompt=5, total=40)
     live = 5 + len(hist) - 1 - sum(len(v) for v in hist)
     assert live == 12
 
 
 def test_tova_steady_state_one_per_step():
-    hist = run_policy(P.get("tova", budget=10), make_logits(3, 2), 2, prompt=18, total=40)
+    hist = run_policy(sinkless("tova", budget=10), make_logits(3, 2), 2, prompt=18, total=40)
     # the prompt's excess (8 tokens) is never caught up: one eviction per step, as TOVA defines it
     assert [len(v) for v in hist] == [0] + [1] * 22
 
@@ -387,9 +392,9 @@ def test_tova_steady_state_one_per_step():
 @pytest.mark.parametrize("seed", [0, 7])
 def test_random_is_deterministic_under_a_seed(seed):
     logits = make_logits(0, 1)
-    a = run_policy(P.get("random", budget=0.4, seed=seed), logits, 1)
-    b = run_policy(P.get("random", budget=0.4, seed=seed), logits, 1)
-    c = run_policy(P.get("random", budget=0.4, seed=seed + 1), logits, 1)
+    a = run_policy(sinkless("random", budget=0.4, seed=seed), logits, 1)
+    b = run_policy(sinkless("random", budget=0.4, seed=seed), logits, 1)
+    c = run_policy(sinkless("random", budget=0.4, seed=seed + 1), logits, 1)
     assert a == b and a != c
 
 
@@ -409,7 +414,7 @@ def _fold32(x):
 
 def test_random_matches_reference_draw():
     """The documented draw: the lowest counter-hash draws of (seed, step, request_seed, token id)."""
-    p = P.get("random", budget=10, window=3, seed=5)
+    p = sinkless("random", budget=10, window=3, seed=5)
     live = np.array([0, 2, 3, 5, 8, 9, 11, 12, 13, 17, 18, 19, 20, 21, 25, 26, 29])
     for rid in (3, "req-a", 2**64 + 3):
         victims = p.select_victims(p.view(rid, 4, live, seq_len=30))
@@ -421,7 +426,7 @@ def test_random_matches_reference_draw():
 
 def test_random_draw_is_uniform_over_candidates():
     """Over many (request, step) keys, every unprotected token is evicted about equally often."""
-    p = P.get("random", budget=0.5, window=0, seed=9)
+    p = sinkless("random", budget=0.5, window=0, seed=9)
     hits = np.zeros(40, np.int64)
     for rid in range(100):
         for step in range(20):
@@ -433,7 +438,7 @@ def test_random_draw_is_uniform_over_candidates():
 
 
 def test_random_draw_does_not_depend_on_request_order():
-    p = P.get("random", budget=0.5, seed=1)
+    p = sinkless("random", budget=0.5, seed=1)
     live = np.arange(40)
     first = {r: p.select_victims(p.view(r, 3, live)).tolist() for r in range(4)}
     second = {r: p.select_victims(p.view(r, 3, live)).tolist() for r in reversed(range(4))}
@@ -442,7 +447,7 @@ def test_random_draw_does_not_depend_on_request_order():
 
 def test_all_policies_deterministic():
     for name in NAMES:
-        policy = P.get(name, budget=0.5, window=2)
+        policy = sinkless(name, budget=0.5, window=2)
         a = _view_for(policy, np.random.default_rng(11), np.arange(0, 90, 2), 90, 1)
         b = _view_for(policy, np.random.default_rng(11), np.arange(0, 90, 2), 90, 1)
         assert policy.select_victims(a).tolist() == policy.select_victims(b).tolist()
@@ -496,7 +501,7 @@ def _multi_request_run(policy, order):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_trace_replays_identically(name, tmp_path):
-    rec = TraceRecorder(P.get(name, budget=0.5, window=2))
+    rec = TraceRecorder(sinkless(name, budget=0.5, window=2))
     recorded = _multi_request_run(rec, ["a", "b", "c"])
     assert len(rec) == 3 * 24 and any(recorded.values())
     path = tmp_path / "trace.json"
@@ -566,7 +571,7 @@ def test_register_a_new_policy():
 
     try:
         assert "oldest_first_test" in P.available()
-        p = P.get("oldest_first_test", budget=3, window=1)
+        p = sinkless("oldest_first_test", budget=3, window=1)
         assert p.select_victims(p.view(0, 0, np.arange(5))).tolist() == [0, 1]
         with pytest.raises(InvalidArgumentError, match="already registered"):
             P.register("oldest_first_test")(type("Other", (OldestFirst,), {}))
@@ -630,7 +635,7 @@ def test_budget_of():
 
 
 def test_view_contents_and_validation():
-    p = P.get("h2o", budget=0.5)
+    p = sinkless("h2o", budget=0.5)
     v = p.view("r", 3, [0, 2, 5, 6], seq_len=8, num_new=1)
     assert v.budget == 4 and v.live_count == 4 and v.positions is v.token_ids and v.token_ids.dtype == np.int64
     assert not hasattr(v, "block_ids") and "block" not in " ".join(f for f in PolicyView.__dataclass_fields__)
@@ -653,7 +658,7 @@ def test_view_contents_and_validation():
     with pytest.raises(InvalidTypeError, match="PolicyView"):
         p.select_victims(np.arange(4))
     with pytest.raises(InvalidArgumentError, match=r"scores.history: expected 64"):
-        sc = P.get("scissorhands", budget=2, window=0)
+        sc = sinkless("scissorhands", budget=2, window=0)
         sc.select_victims(sc.view(0, 0, np.arange(5), scores=ScoreAccumulator(history=3)))
 
 
@@ -798,7 +803,7 @@ def test_window_scorer_feeds_the_accumulator_like_exact_scores():
 
 def test_exact_scores_accept_torch_tensors():
     logits = make_logits(1, 4)
-    p = P.get("h2o", budget=0.3, window=2)
+    p = sinkless("h2o", budget=0.3, window=2)
     assert run_policy(p, logits, 2, torch_scores=True) == run_policy(p, logits, 2)
 
 

@@ -218,7 +218,7 @@ class DecisionLoop:
         mp = batch.mirror_pos(self.state.capacity)
         self.token_mass.index_add_(0, mp, torch.where(batch.valid, mass[:nnz].to(torch.float32), 0.0))
 
-    def decide(self, reqs: Sequence, slot_lists, *, seq_lens, num_new, done=None, defer=None,
+    def decide(self, reqs: Sequence, slot_lists, *, seq_lens, num_new, done=None, defer=None, prompt_done=None,
                window_scores: Optional[torch.Tensor] = None) -> None:
         """Decide, kill and ship this step's victims for the batch ``reqs`` (as built into ``slot_lists``).
 
@@ -228,13 +228,18 @@ class DecisionLoop:
         request in the middle of its prompt: it evicts nothing, and its key
         masses stay in :attr:`token_mass`, so the step that completes the
         prompt (with ``num_new`` = the whole prompt) gives the policy ONE
-        update for it, whatever the chunking. ``window_scores``: float
+        update for it, whatever the chunking. ``prompt_done``: bool per
+        request whose prompt this step completes; a policy with
+        ``at="prefill"`` decides only for those (``EvictionPolicy.decision_plan``).
+        ``window_scores``: float
         ``[nnz_max, H]`` window votes, rows as ``kv_pos`` (SnapKV's prefill;
         its requests decide this step). No host sync.
         """
-        reqs, seq_lens, num_new, done, defer = self._check_step(reqs, slot_lists, seq_lens, num_new, done, defer,
-                                                                 window_scores)
+        reqs, seq_lens, num_new, done, defer, prompt_done = self._check_step(
+            reqs, slot_lists, seq_lens, num_new, done, defer, prompt_done, window_scores)
         n = len(reqs)
+        decides, num_new = self.policy.decision_plan(num_new, prompt_done)
+        done = done | ~decides  # a request that does not decide this step evicts nothing, as a finished one
         if window_scores is not None:  # SnapKV decides once: its record holds every possible victim
             if self.ring.grow(min_victims=int(slot_lists.kv_indptr_host[n])):
                 self._graphs.invalidate()
@@ -252,7 +257,7 @@ class DecisionLoop:
         # Without a host table nothing is skipped at drain (the receiver keeps its own registrations).
         return np.zeros(len(reqs), np.int64) if self.table is None else self.table.registry.generations_of(reqs)
 
-    def _check_step(self, reqs, slot_lists, seq_lens, num_new, done, defer, window_scores) -> tuple:
+    def _check_step(self, reqs, slot_lists, seq_lens, num_new, done, defer, prompt_done, window_scores) -> tuple:
         """Every argument of :meth:`decide`, checked before anything changes (typed errors naming it)."""
         reqs = list(reqs)
         n = len(reqs)
@@ -270,9 +275,13 @@ class DecisionLoop:
         done = np.zeros(n, dtype=bool) if done is None else np.asarray(done)
         if done.dtype != np.bool_ or done.shape != (n,):
             raise InvalidArgumentError(f"done: expected {n} bools, got {done.dtype} {done.shape}")
-        defer = np.zeros(n, dtype=bool) if defer is None else np.asarray(defer)
-        if defer.dtype != np.bool_ or defer.shape != (n,):
-            raise InvalidArgumentError(f"defer: expected {n} bools, got {defer.dtype} {defer.shape}")
+        if prompt_done is None and self.policy.at == "prefill":
+            raise InvalidArgumentError(f"prompt_done: expected flags (policy {self.policy.name!r} decides when a "
+                                       "prompt completes), got None")
+        defer, prompt_done = (np.zeros(n, dtype=bool) if a is None else np.asarray(a) for a in (defer, prompt_done))
+        for name, flags in (("defer", defer), ("prompt_done", prompt_done)):
+            if flags.dtype != np.bool_ or flags.shape != (n,):
+                raise InvalidArgumentError(f"{name}: expected {n} bools, got {flags.dtype} {flags.shape}")
         if window_scores is not None:
             if self.policy.score_source != "window":
                 raise InvalidArgumentError(f"window_scores: expected None for policy {self.policy.name!r} "
@@ -281,7 +290,7 @@ class DecisionLoop:
             if window_scores.shape[0] != slot_lists.nnz_max or not window_scores.dtype.is_floating_point:
                 raise InvalidArgumentError(f"window_scores: expected float [{slot_lists.nnz_max}, H] (rows as kv_pos), "
                                            f"got {window_scores.dtype} {tuple(window_scores.shape)}")
-        return reqs, seq_lens, num_new, done, defer
+        return reqs, seq_lens, num_new, done, defer, prompt_done
 
     def _device_step(self, slot_lists, num_reqs: int, window_scores=None) -> None:
         """Everything on the device (fixed shapes, no host read): capturable in a CUDA graph."""

@@ -8,7 +8,9 @@ for the view, budgets and traces, :mod:`vtoken.policies.scores` for the
 score sources and :mod:`vtoken.policies.ids` for the live-id checks both use.
 """
 from vtoken.policies.base import (  # noqa: F401
+    AT_MODES,
     Budget,
+    BudgetRaisedWarning,
     Decision,
     EvictionPolicy,
     PolicyView,
@@ -16,6 +18,7 @@ from vtoken.policies.base import (  # noqa: F401
     ReplayPolicy,
     TraceRecorder,
     available,
+    decision_plan,
     get,
     lowest,
     register,

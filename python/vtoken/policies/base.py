@@ -41,6 +41,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 import zlib
 from collections import deque
 from dataclasses import dataclass
@@ -60,7 +61,9 @@ from vtoken.policies.ids import check_live_ids, is_member
 from vtoken.policies.scores import ScoreAccumulator, as_numpy_scores
 
 __all__ = [
+    "AT_MODES",
     "Budget",
+    "BudgetRaisedWarning",
     "Decision",
     "EvictionPolicy",
     "PolicyView",
@@ -69,12 +72,21 @@ __all__ = [
     "TraceRecorder",
     "available",
     "check_live_ids",
+    "decision_plan",
     "get",
     "is_member",
     "lowest",
     "register",
     "request_seed",
 ]
+
+
+#: When a policy decides (``EvictionPolicy.at``): every step, or once at the end of the prompt.
+AT_MODES = ("decode", "prefill")
+
+
+class BudgetRaisedWarning(UserWarning):
+    """A budget cap below the protected tokens (``sink + window``) was raised to them."""
 
 
 class ReplayDivergenceError(InvalidArgumentError):
@@ -236,6 +248,17 @@ class PolicyView:
 # --------------------------------------------------------------------------- policy
 
 
+def decision_plan(at: str, num_new, prompt_done) -> tuple:
+    """:meth:`EvictionPolicy.decision_plan` for a policy deciding ``at`` (also a replay's, from its trace's meta)."""
+    num_new = np.asarray(num_new, dtype=np.int64)
+    prompt_done = np.asarray(prompt_done, dtype=bool)
+    if at == "decode":
+        return np.ones(num_new.shape, dtype=bool), num_new
+    if at != "prefill":
+        raise InvalidArgumentError(f"at: expected one of {AT_MODES}, got {at!r}")
+    return prompt_done.copy(), np.where(prompt_done, 1, num_new)
+
+
 def lowest(candidates: np.ndarray, priority, n: int) -> np.ndarray:
     """The ``n`` candidates with the lowest ``priority``; ties go to the older (smaller id) token.
 
@@ -265,7 +288,12 @@ class EvictionPolicy:
 
     Fields (every policy): ``budget`` (see :class:`Budget`; a float is a ratio,
     an int a cap, ``None`` keeps only the protected tokens), ``window`` (protected
-    most recent positions) and ``sink`` (protected first positions).
+    most recent positions), ``sink`` (protected first positions, 4 by default:
+    StreamingLLM's attention sinks; position 0 carries most of every head's
+    attention, and evicting it wrecks the text) and ``at`` (when the policy
+    decides: ``"decode"``, every step, or ``"prefill"``, once when the prompt
+    is complete; see :meth:`decision_plan`). A cap below ``sink + window`` is
+    raised to it with a :class:`BudgetRaisedWarning`.
     """
 
     name: ClassVar[str] = ""
@@ -277,19 +305,43 @@ class EvictionPolicy:
     #: victims of one step (TOVA: 1), both beside the policy's ``device_priority``.
     device_state: ClassVar[tuple] = ()
     max_victims_per_step: ClassVar[int | None] = None
+    #: The ``at`` values the policy has a definition for (SnapKV: prefill only).
+    at_modes: ClassVar[tuple] = AT_MODES
 
     budget: Any = 0.5
     window: int = 32
-    sink: int = 0
+    sink: int = 4
+    at: str = "decode"
 
     def __post_init__(self):
         self.window = check_int(f"{self.name}.window", self.window)
         self.sink = check_int(f"{self.name}.sink", self.sink)
+        if self.at not in self.at_modes:
+            raise InvalidArgumentError(f"{self.name}.at: expected one of {self.at_modes}, got {self.at!r}")
+        protected = self.sink + self.window
         if self.budget is None:
-            if self.sink + self.window == 0:
+            if protected == 0:
                 raise InvalidArgumentError(f"{self.name}.budget: expected a budget when sink + window == 0, got None")
-            self.budget = Budget(cap=self.sink + self.window)
+            self.budget = Budget(cap=protected)
         self.budget = Budget.of(self.budget)
+        if self.budget.cap is not None and self.budget.cap < protected:
+            # Protection wins anyway (a request never drops below its protected tokens); saying so
+            # once beats a config that silently means something else than it reads.
+            warnings.warn(f"{self.name}.budget: cap {self.budget.cap} < sink + window = {protected}; "
+                          f"raised to {protected}", BudgetRaisedWarning, stacklevel=3)
+            self.budget = Budget(self.budget.ratio, protected)
+
+    def decision_plan(self, num_new, prompt_done) -> tuple:
+        """Which requests of a step decide, and the tail each protects (``at``; numpy, one entry per request).
+
+        ``num_new``: the step's new tokens per request; ``prompt_done``: bool,
+        the step completes the request's prompt. ``at="decode"``: every
+        request decides, its new tokens protected. ``at="prefill"``: only the
+        requests whose prompt completes decide, once, protecting the last
+        token rather than the whole prompt (the window protects the rest);
+        decode steps evict nothing. Returns ``(decides bool, num_new int64)``.
+        """
+        return decision_plan(self.at, num_new, prompt_done)
 
     # -- to implement ---------------------------------------------------------
     def choose(self, view: PolicyView, candidates: np.ndarray, n: int) -> np.ndarray:

@@ -21,7 +21,7 @@ Defaults: ``budget=0.2`` (the paper's 20% KV cache), ``window=32``.
 
 >>> import numpy as np
 >>> from vtoken.policies import get
->>> p = get("h2o", budget=3, window=1)
+>>> p = get("h2o", budget=3, window=1, sink=0)
 >>> acc = p.make_accumulator()
 >>> acc.update(np.arange(5), np.array([0.9, 0.1, 0.5, 0.2, 0.3]))
 >>> p.select_victims(p.view(0, 0, np.arange(5), scores=acc))

@@ -25,15 +25,14 @@ into the per-token ``votes`` state on the step the window votes
 (``batch.window_step``); only those requests evict, by the same ranking.
 
 Defaults (the public code's): ``budget=2048`` tokens, ``window=32``,
-``kernel=5``, ``pooling="avgpool"``.
+``kernel=5``, ``pooling="avgpool"``; ``at="prefill"``, the only mode SnapKV has.
 """
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError
-from vtoken.errors import check_int
+from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.policies.base import EvictionPolicy, lowest, register
 
 
@@ -47,6 +46,8 @@ class SnapKV(EvictionPolicy):
     window: int = 32
     kernel: int = 5
     pooling: str = "avgpool"
+    at: str = "prefill"
+    at_modes = ("prefill",)  # its votes come from the prompt's last window
     device_state = ("votes",)
 
     def __post_init__(self):

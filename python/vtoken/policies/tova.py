@@ -14,6 +14,10 @@ Scores: exact, the latest ``ScoreAccumulator.update`` (``last``): the step's
 mass summed over heads, whose ranking equals the mean over heads. In a decode
 step that is the last query; in a multi-query step, the sum over its queries.
 
+Prefill mode (``at="prefill"``, kvpress's form): one decision when the prompt
+is complete, ranking by the prompt step's mass (the sum over the prompt's
+queries, not the last query alone) and dropping the whole excess at once.
+
 Defaults: ``budget=512`` tokens (a multi-state size in the paper's range), ``window=0``.
 """
 from dataclasses import dataclass
@@ -32,10 +36,14 @@ class TOVA(EvictionPolicy):
     window: int = 0
 
     device_state = ("last",)
-    max_victims_per_step = 1
+
+    @property
+    def max_victims_per_step(self):
+        return 1 if self.at == "decode" else None  # compressing a prompt at once drops the whole excess
 
     def choose(self, view, candidates, n):
-        return lowest(candidates, view.require_scores(self.name).last(candidates), 1)
+        cap = self.max_victims_per_step
+        return lowest(candidates, view.require_scores(self.name).last(candidates), n if cap is None else min(n, cap))
 
     def device_priority(self, state, batch):
         return state.last[batch.mirror_pos(state.capacity)]

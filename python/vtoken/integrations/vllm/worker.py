@@ -292,14 +292,15 @@ class WorkerSide:
         qlen = self._query_lens
         defer = seq < prompt  # mid-prompt: no eviction, its masses wait for the prompt's last chunk
         # The step that completes the prompt sees the whole prompt as new, as an unchunked prefill would.
-        num_new = np.where(~defer & (seq - qlen < prompt), np.minimum(prompt, seq), qlen)
+        prompt_done = ~defer & (seq - qlen < prompt)
+        num_new = np.where(prompt_done, np.minimum(prompt, seq), qlen)
         if self.loop.scored:
             total = int(bufs.kv_indptr_host[n])
             if self.reduce_scores is not None:  # identical masses, hence identical decisions, on every rank
                 self.reduce_scores(self._scores[:total])
             self.loop.add_entry_mass(bufs, n, self._scores)
         self._decided_steps[self.loop.steps] = step
-        self.loop.decide(reqs, bufs, seq_lens=seq, num_new=num_new, defer=defer)
+        self.loop.decide(reqs, bufs, seq_lens=seq, num_new=num_new, defer=defer, prompt_done=prompt_done)
 
     def worker_meta(self) -> VTokenWorkerMetadata:
         """The decisions whose records reached the host since the last report (never waits)."""
