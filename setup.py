@@ -68,6 +68,7 @@ setup(
     package_dir={"vtoken": "python/vtoken", "vtoken_kernels": "vtoken_kernels"},
     packages=["vtoken_kernels"]
     + ["vtoken" + p[len("vtoken"):] for p in find_packages("python", include=["vtoken", "vtoken.*"])],
+    package_data={"vtoken.experiments": ["prompts.jsonl"]},  # the shipped chat prompt set
     # torch is not pinned here: GPU servers bring their own CUDA build. On CPU
     # machines install torch==2.13.0 first (see README) so pip never pulls CUDA torch.
     install_requires=["numpy>=1.24", "torch>=2.4"],

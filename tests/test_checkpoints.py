@@ -39,8 +39,11 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def exported(gguf_path, tmp_path_factory):
-    return checkpoints.export(gguf_path, str(tmp_path_factory.mktemp("smollm2_hf")))
+def exported(gguf_path):
+    # the cached export (written once next to the GGUF, shared with tests/test_real_model.py)
+    from vtoken.checkpoints.loader import exported_dir
+
+    return exported_dir("smollm2")
 
 
 def test_fetch_checks_the_checksum_and_repairs_a_damaged_cache(gguf_path, tmp_path):

@@ -62,7 +62,9 @@ DEMO = ["demo", "--requests", "3", "--prompt-len", "24", "--output-len", "20", "
 
 def test_demo_json(capsys):
     got = run_json(capsys, *DEMO)
-    assert set(got) == {"config", "model", "modes", "outputs_identical", "seconds"}
+    assert set(got) == {"config", "model", "modes", "outputs_identical", "identical", "seconds", "prompt_lens",
+                        "prompts"}
+    assert got["identical"] is True and got["prompts"] is None and got["prompt_lens"] == [24] * 3  # random ids
     assert list(got["modes"]) == ["native", "naive", "vtoken"]
     assert all(set(m) == MODE_KEYS for m in got["modes"].values())
     assert got["outputs_identical"] is True
@@ -172,8 +174,9 @@ def test_sla_reference_concurrency_must_be_swept(capsys):
 
 # --------------------------------------------------------------------------------------- prefix
 def test_prefix_json(capsys):
+    # --sink 0: the tiny random model's victims must reach the shared prefix blocks for the checks below
     got = run_json(capsys, "prefix", "--degrees", "1,2,4", "--requests", "4", "--prefix-len", "16",
-                   "--suffix-len", "8", "--output-len", "16", *TINY)
+                   "--suffix-len", "8", "--output-len", "16", "--sink", "0", *TINY)
     rows = {r["degree"]: r for r in got["degrees"]}
     assert sorted(rows) == [1, 2, 4]
     k = 16 // 4  # prefix blocks

@@ -41,6 +41,10 @@ def _add_fragmentation(sub) -> None:
                    help="a real eviction policy chooses the victims instead of --pattern: each prompt runs through "
                    "the embedded engine's tiny model and the policy decides once at its end (TOVA evicts one token "
                    "per decision); costs ~0.4 s per 1024-token request on CPU")
+    p.add_argument("--window", type=int, default=None,
+                   help="with --policy: its protected recent window (default: its own, at most 32)")
+    p.add_argument("--sink", type=int, default=None,
+                   help="with --policy: its protected first tokens, the attention sinks (default: its own, 4)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=_run_fragmentation, parser=p)
 
@@ -52,7 +56,7 @@ def _run_fragmentation(args) -> int:
     with common.cli_errors(args.parser):
         cfg = FragmentationConfig(pattern=args.pattern, evict_ratio=args.evict_ratio, requests=args.requests,
                                   context=args.context, block_size=args.block_size, seed=args.seed,
-                                  policy=args.policy)
+                                  policy=args.policy, window=args.window, sink=args.sink)
         with common.Progress(cfg.requests, f"fragmentation ({cfg.policy})",
                              enabled=None if cfg.policy else False) as progress:
             res = run_fragmentation(cfg, progress=progress)
@@ -78,10 +82,11 @@ def _add_demo(sub) -> None:
     p.add_argument("--requests", type=int, default=d.requests,
                    help="requests, all resident at once (default %(default)s)")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks,
-                   help="KV blocks in the pool, the null block included (default %(default)s)")
+                   help="KV blocks in the pool, the null block included (default: 256, or the smallest pool that "
+                   "holds every request unevicted if more)")
     p.add_argument("--theta-f", type=float, default=d.theta_f,
                    help="vtoken reclaims while the pool's waste ratio F exceeds this (default %(default)s)")
-    add_model_args(p)
+    add_model_args(p, prompts=True)
     add_output_args(p)
     p.set_defaults(func=_run_demo, parser=p)
 
@@ -92,10 +97,10 @@ def _run_demo(args) -> int:
 
     with common.cli_errors(args.parser):
         plt = common.require_matplotlib() if args.plot else None
-        cfg = DemoConfig(policy=args.policy, evict_ratio=args.evict_ratio, window=args.window,
+        cfg = DemoConfig(policy=args.policy, evict_ratio=args.evict_ratio, window=args.window, sink=args.sink, at=args.at,
                          requests=args.requests, prompt_len=args.prompt_len, output_len=args.output_len,
                          block_size=args.block_size, num_blocks=args.num_blocks, theta_f=args.theta_f,
-                         seed=args.seed, model=common.model_spec(args))
+                         seed=args.seed, model=common.model_spec(args), prompts=common.prompt_texts(args))
         with common.Progress(3, "demo") as progress:
             res = run_demo(cfg, progress=progress)
     if plt is not None:
@@ -131,7 +136,7 @@ def _run_retained(args) -> int:
     with common.cli_errors(args.parser):
         plt = common.require_matplotlib() if args.plot else None
         cfg = RetainedConfig(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
-                             evict_ratio=args.evict_ratio, window=args.window, requests=args.requests,
+                             evict_ratio=args.evict_ratio, window=args.window, sink=args.sink, at=args.at, requests=args.requests,
                              prompt_len=args.prompt_len, output_len=args.output_len, block_size=args.block_size,
                              seed=args.seed, model=common.model_spec(args))
         with common.Progress(2 * len(cfg.policies), "retained") as progress:
@@ -175,7 +180,7 @@ def _run_sla(args) -> int:
 
     with common.cli_errors(args.parser):
         plt = common.require_matplotlib() if args.plot else None
-        cfg = SlaConfig(policy=args.policy, evict_ratio=args.evict_ratio, window=args.window,
+        cfg = SlaConfig(policy=args.policy, evict_ratio=args.evict_ratio, window=args.window, sink=args.sink, at=args.at,
                         concurrency=args.concurrency, rounds=args.rounds, prompt_len=args.prompt_len,
                         output_len=args.output_len, block_size=args.block_size, num_blocks=args.num_blocks,
                         sla_concurrency=args.sla_concurrency, sla_factor=args.sla_factor, seed=args.seed,
@@ -220,7 +225,7 @@ def _run_prefix(args) -> int:
         plt = common.require_matplotlib() if args.plot else None
         cfg = PrefixConfig(degrees=args.degrees, requests=args.requests, prefix_len=args.prefix_len,
                            suffix_len=args.suffix_len, output_len=args.output_len, block_size=args.block_size,
-                           policy=args.policy, evict_ratio=args.evict_ratio, window=args.window, seed=args.seed,
+                           policy=args.policy, evict_ratio=args.evict_ratio, window=args.window, sink=args.sink, at=args.at, seed=args.seed,
                            model=common.model_spec(args))
         with common.Progress(len(cfg.degrees), "prefix") as progress:
             res = run_prefix(cfg, progress=progress)
@@ -258,6 +263,8 @@ def _add_frontier(sub) -> None:
     p.add_argument("--policy", choices=available(), default=None, help=f"eviction policy (default {d.policy})")
     p.add_argument("--window", type=int, default=None,
                    help="the policy's protected recent window (default: its own, at most 32)")
+    p.add_argument("--sink", type=int, default=None,
+                   help="the policy's protected first tokens, the attention sinks (default: its own, 4)")
     p.add_argument("--evict-ratio", type=float, default=None,
                    help=f"share of each request's KV tokens evicted by its end (default {d.evict_ratio}); "
                    "sets the KV budget")
@@ -292,8 +299,8 @@ def _run_frontier(args) -> int:
         plt = common.require_matplotlib() if args.plot else None
         cfg = FrontierConfig.from_options(
             args.preset, num_blocks=args.num_blocks, block_size=args.block_size, prompt_len=args.prompt_len,
-            output_len=args.output_len, policy=args.policy, window=args.window, evict_ratio=args.evict_ratio,
-            kv_budget=args.kv_budget, trace_only=args.trace_only, seed=args.seed,
+            output_len=args.output_len, policy=args.policy, window=args.window, sink=args.sink,
+            evict_ratio=args.evict_ratio, kv_budget=args.kv_budget, trace_only=args.trace_only, seed=args.seed,
             max_concurrency=args.max_concurrency,
             reclaim={"headroom_blocks": args.headroom, "low_watermark": args.low_watermark,
                      "theta_F": args.theta_f, "check_interval": args.check_interval,
@@ -352,7 +359,66 @@ def _run_model_export(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [_add_fragmentation, _add_demo, _add_retained, _add_sla, _add_prefix, _add_frontier, _add_model]
+def _add_quality(sub) -> None:
+    from vtoken.experiments.common import add_model_args, add_output_args
+    from vtoken.experiments.quality import QualityConfig
+
+    d = QualityConfig()
+    p = sub.add_parser(
+        "quality",
+        help="output quality per policy vs full KV on a real model: exact match, first divergence, ROUGE-L",
+        description="Serve a chat prompt set (default: the shipped 28 prompts) with the full KV cache, then for each "
+        "policy x evict ratio x decision mode (prefill: compress each prompt once; decode: evict during decode) "
+        "in naive and vtoken modes, and report against the full-KV output the exact-match rate, the mean first "
+        "divergent token and ROUGE-L F1, and the tokens where naive and vtoken differ (must be 0). Greedy; "
+        "stops at the checkpoint's end-of-sequence token.",
+    )
+    p.add_argument("--policies", default=",".join(d.policies), help="comma-separated policies (default: all)")
+    p.add_argument("--ratios", default=",".join(str(r) for r in d.ratios),
+                   help="comma-separated evict ratios (default %(default)s)")
+    p.add_argument("--at", default=",".join(d.at), help="decision modes: prefill and/or decode (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help="tokens generated per prompt at most (default %(default)s)")
+    p.add_argument("--window", type=int, default=None, help="every policy's recent window (default: its own, at most 32)")
+    p.add_argument("--sink", type=int, default=None, help="every policy's attention sinks (default: its own, 4)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="weights seed of a random preset (unused by a checkpoint)")
+    add_model_args(p, prompts=True)
+    p.set_defaults(model=d.model.path)
+    add_output_args(p)
+    p.set_defaults(func=_run_quality, parser=p)
+
+
+def _run_quality(args) -> int:
+    from vtoken.experiments import common
+    from vtoken.experiments.quality import QualityConfig, format_quality, num_runs, plot_quality, run_quality
+
+    def items(text):
+        return tuple(x.strip() for x in text.split(",") if x.strip())
+
+    with common.cli_errors(args.parser):
+        plt = common.require_matplotlib() if args.plot else None
+        try:
+            ratios = tuple(float(x) for x in items(args.ratios))
+        except ValueError:
+            raise common.InvalidArgumentError(f"ratios: expected comma-separated numbers, got {args.ratios!r}") \
+                from None
+        if args.model_path is not None:
+            args.model = None  # --model-path replaces the default checkpoint
+        cfg = QualityConfig(policies=items(args.policies), ratios=ratios, at=items(args.at),
+                            max_new_tokens=args.max_new_tokens, window=args.window, sink=args.sink,
+                            block_size=args.block_size, prompts=common.prompt_texts(args),
+                            model=common.model_spec(args))
+        with common.Progress(num_runs(cfg), "quality") as progress:
+            res = run_quality(cfg, progress=progress)
+    if plt is not None:
+        plot_quality(res, args.plot, plt)
+    common.emit(args, res.to_dict(), format_quality(res))
+    return 0
+
+
+SUBCOMMANDS = [_add_fragmentation, _add_demo, _add_retained, _add_sla, _add_prefix, _add_frontier, _add_quality,
+               _add_model]
 
 
 def build_parser() -> argparse.ArgumentParser:

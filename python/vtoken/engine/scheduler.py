@@ -69,7 +69,7 @@ from vtoken.engine.model import LlamaModel
 from vtoken.decision_loop import DecisionLoop
 from vtoken.engine.runner import ModelRunner, RunnerConfig, StepResult
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int, is_int
-from vtoken.policies import EvictionPolicy, ReplayPolicy, TraceRecorder, accumulate_batch
+from vtoken.policies import EvictionPolicy, ReplayPolicy, TraceRecorder, accumulate_batch, decision_plan
 from vtoken.policies import get as get_policy
 from vtoken.reclaim import MODES, ReclaimConfig, ReclamationManager
 
@@ -94,7 +94,11 @@ class EngineConfig:
             is overridden by ``mode``.
         cuda_graph: decode CUDA graphs (``None``: on iff the model is on CUDA).
         eos_token_id: stop a request at this token (``None``: only at
-            ``max_new_tokens``, what the paired experiments use).
+            ``max_new_tokens``, what the paired experiments use);
+            :meth:`Engine.from_pretrained` takes the checkpoint's.
+        cpu_threads: torch's intra-op threads for a CPU model, set when the
+            engine is built (default 1: on a loaded 2-core machine 2 threads
+            ran a step about 15x slower than 1); ``None`` leaves torch's setting.
         decision: ``"device"`` (a :class:`~vtoken.decision_loop.DecisionLoop`;
             no per-token host work) or ``"host"`` (numpy per request, the
             baseline). A :class:`ReplayPolicy` always decides on the host.
@@ -113,6 +117,7 @@ class EngineConfig:
     reclaim: Any = None
     cuda_graph: Optional[bool] = None
     eos_token_id: Optional[int] = None
+    cpu_threads: Optional[int] = 1
     decision: str = "device"
     decision_graph: bool = False
 
@@ -123,6 +128,10 @@ class EngineConfig:
             raise InvalidTypeError(f"decision_graph: expected a bool, got {type(self.decision_graph).__name__}")
         if self.mode not in MODES:
             raise InvalidArgumentError(f"mode: expected one of {MODES}, got {self.mode!r}")
+        if self.cpu_threads is not None:
+            check_int("cpu_threads", self.cpu_threads, min_value=1)
+        if self.eos_token_id is not None:
+            check_int("eos_token_id", self.eos_token_id)
         if self.reclaim is None:
             self.reclaim = ReclaimConfig(mode=self.mode)
         elif isinstance(self.reclaim, dict):
@@ -147,6 +156,7 @@ class Request:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     num_preemptions: int = 0
+    text: Optional[str] = None  # the decoded output, set at finish when the engine has a tokenizer
     retained_blocks: Optional[int] = None  # blocks held when the request finished
     live_tokens: Optional[int] = None  # live tokens when it finished
     peak_blocks: int = 0  # most blocks it held at once
@@ -188,13 +198,22 @@ class Engine:
         policy: overrides ``config.policy``: a name, an :class:`EvictionPolicy`,
             a :class:`TraceRecorder` or a :class:`ReplayPolicy`.
         record_trace: wrap the policy in a :class:`TraceRecorder` (``self.trace``).
+        tokenizer: a :class:`~vtoken.checkpoints.tokenizer.Tokenizer`: prompts may
+            then be strings or chat messages, and finished requests carry ``text``.
     """
 
     def __init__(self, model: LlamaModel, config: EngineConfig, *, policy: PolicyLike = None,
-                 record_trace: bool = False):
+                 record_trace: bool = False, tokenizer=None):
         if not isinstance(config, EngineConfig):
             raise InvalidTypeError(f"config: expected an EngineConfig, got {type(config).__name__}")
+        if tokenizer is not None and not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
+            raise InvalidTypeError(f"tokenizer: expected a Tokenizer (encode/decode), got {type(tokenizer).__name__}")
+        if config.cpu_threads is not None and model.lm_head.weight.device.type == "cpu":
+            import torch
+
+            torch.set_num_threads(config.cpu_threads)
         self.config = config
+        self.tokenizer = tokenizer
         self.mode = config.mode
         policy = config.policy if policy is None else policy
         if isinstance(policy, str):
@@ -207,13 +226,15 @@ class Engine:
             if policy is None or isinstance(policy, (TraceRecorder, ReplayPolicy)):
                 raise InvalidArgumentError("record_trace: expected a plain policy to record, got "
                                            f"{type(policy).__name__}")
-            policy = TraceRecorder(policy, meta={"mode": self.mode})
+            policy = TraceRecorder(policy, meta={"mode": self.mode, "at": getattr(policy, "at", "decode")})
         self.policy = policy if self.mode != "native" else None
         self.trace = policy if isinstance(policy, TraceRecorder) else None
         source = getattr(self.policy, "score_source", "none")
         self._window = int(getattr(getattr(self.policy, "policy", self.policy), "window", 0)) \
             if source == "window" else 0
         decider = self.trace.policy if self.trace is not None else self.policy
+        # when decisions happen (EvictionPolicy.at); a replay decides when its recording did
+        self.decides_at = getattr(decider, "at", None) or getattr(decider, "meta", {}).get("at", "decode")
         on_device = config.decision == "device" and isinstance(decider, EvictionPolicy)
         self.runner = ModelRunner(model, RunnerConfig(
             num_blocks=config.num_blocks, block_size=config.block_size, layout=config.layout,
@@ -250,9 +271,39 @@ class Engine:
         reserve = self.reclaimer.headroom if self.reclaimer.reclaims else 0
         return self.table.ledger.usable_blocks - reserve
 
+    @classmethod
+    def from_pretrained(cls, model: str, config: Optional[EngineConfig] = None, *, device="cpu", dtype=None,
+                        policy: PolicyLike = None, record_trace: bool = False) -> "Engine":
+        """An engine over a real checkpoint with its tokenizer: a known name (``"smollm2"``, fetched and
+        cached on first use), a ``.gguf`` file or an HF directory (:func:`vtoken.checkpoints.load`).
+        ``eos_token_id`` is the checkpoint's unless ``config`` sets one."""
+        from vtoken.checkpoints import load
+
+        config = EngineConfig() if config is None else config
+        if config.cpu_threads is not None and str(device) == "cpu":
+            import torch
+
+            torch.set_num_threads(config.cpu_threads)  # before loading: the load runs on the CPU too
+        ck = load(model, device=device, dtype=dtype)
+        if config.eos_token_id is None and ck.eos_token_id is not None:
+            config = dataclasses.replace(config, eos_token_id=ck.eos_token_id)
+        return cls(ck.model, config, policy=policy, record_trace=record_trace, tokenizer=ck.tokenizer)
+
+    def encode(self, prompt) -> np.ndarray:
+        """A prompt as token ids: ids pass through; a string or chat messages need the engine's tokenizer."""
+        from vtoken.checkpoints.tokenizer import is_text_prompt
+
+        if is_text_prompt(prompt):
+            if self.tokenizer is None:
+                raise InvalidArgumentError("prompt: expected token ids (this engine has no tokenizer: build it with "
+                                           "Engine.from_pretrained or tokenizer=...), got text")
+            return self.tokenizer.encode(prompt)
+        return as_index_array("prompt", prompt, allow_empty=False)
+
     def add_request(self, prompt, max_new_tokens: int, request_id: Optional[Hashable] = None) -> Hashable:
-        """Queue a request; returns its id. The prompt must fit one prefill and the block budget."""
-        prompt = as_index_array("prompt", prompt, allow_empty=False)
+        """Queue a request (token ids, or text / chat messages with a tokenizer); returns its id.
+        The prompt must fit one prefill and the block budget."""
+        prompt = self.encode(prompt)
         check_int("max_new_tokens", max_new_tokens, min_value=1)
         vocab = self.runner.model.config.vocab_size
         if prompt.min() < 0 or prompt.max() >= vocab:
@@ -321,7 +372,7 @@ class Engine:
             new_counts = [1] * len(batch)
         done, evicted = [], 0
         if res is not None and batch:
-            done, evicted = self._after_forward(batch, res, new_counts)
+            done, evicted = self._after_forward(batch, res, new_counts, prompt_done=kind == "prefill")
         self.reclaimer.launch(self.reclaimer.maybe_plan())
         self.reclaimer.commit()
         led = self.table.ledger
@@ -363,7 +414,8 @@ class Engine:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _after_forward(self, batch: list[Request], res: StepResult, new_counts: list) -> tuple[list, int]:
+    def _after_forward(self, batch: list[Request], res: StepResult, new_counts: list, *,
+                       prompt_done: bool) -> tuple[list, int]:
         now = time.perf_counter()
         nxt = res.next_tokens()
         table, eos = self.table, self.config.eos_token_id
@@ -377,28 +429,33 @@ class Engine:
             if len(r.output) >= r.max_new_tokens or (eos is not None and r.output[-1] == eos):
                 done.append(r)
         evicted = 0
-        if self.decisions is not None:
-            self._decide_on_device(batch, res, new_counts, {id(r) for r in done})
-        elif self.policy is not None:
-            evicted = self._evict(batch, res, new_counts, {id(r) for r in done})
+        if self.policy is not None:
+            # every request of a prefill step completes its prompt here (no chunking)
+            decides, num_new = decision_plan(self.decides_at, new_counts, np.full(len(batch), prompt_done))
+            done_ids = {id(r) for r in done}
+            finished = np.array([id(r) in done_ids for r in batch], dtype=bool)
+            if self.decisions is not None:  # the loop applies the same plan on the device
+                self._decide_on_device(batch, res, new_counts, finished, prompt_done)
+            else:
+                evicted = self._evict(batch, res, num_new, decides & ~finished)
         for r in done:
             r.retained_blocks = table.held_blocks(r.request_id)
             r.live_tokens = table.live_count(r.request_id)
             r.finish_time = now
+            if self.tokenizer is not None:
+                r.text = self.tokenizer.decode(r.output)
             self.runner.finish(r.request_id)
             self.running.remove(r)
             self.finished.append(r)
         return done, evicted
 
-    def _decide_on_device(self, batch: list[Request], res: StepResult, new_counts: list, done: set) -> None:
+    def _decide_on_device(self, batch: list[Request], res: StepResult, new_counts, finished, prompt_done) -> None:
         """The whole batch's decisions on the device (no host sync); the host applies them next step."""
-        window = res.window_votes
-        seq_lens = np.fromiter((self.table.num_tokens(r.request_id) for r in batch), dtype=np.int64, count=len(batch))
-        # NOTE: SnapKV's one decision at the end of prefill protects its window, not the new tokens (num_new=1).
-        num_new = np.ones(len(batch), dtype=np.int64) if window is not None else np.asarray(new_counts, dtype=np.int64)
+        n = len(batch)
+        seq_lens = np.fromiter((self.table.num_tokens(r.request_id) for r in batch), dtype=np.int64, count=n)
         self.decisions.decide([r.request_id for r in batch], self.runner.slot_lists, seq_lens=seq_lens,
-                              num_new=num_new, done=np.array([id(r) in done for r in batch], dtype=bool),
-                              window_scores=window)
+                              num_new=new_counts, done=finished, prompt_done=np.full(n, prompt_done),
+                              window_scores=res.window_votes)
 
     def _apply_device_victims(self) -> int:
         """Apply the device's decisions whose copy completed (one step late); returns the victims applied."""
@@ -411,21 +468,18 @@ class Engine:
                     self.trace.record(seq_len, rid, ids)
         return sum(rec.num_victims for rec in applied)
 
-    def _evict(self, batch: list[Request], res: StepResult, new_counts: list, done: set) -> int:
+    def _evict(self, batch: list[Request], res: StepResult, num_new, decides) -> int:
         if res.key_scores is not None:
             accumulate_batch([r.accumulator for r in batch], res.token_ids, res.key_scores, res.kv_indptr)
         evicted = 0
         for i, r in enumerate(batch):
-            if id(r) in done:
+            if not decides[i]:
                 continue
             rid = r.request_id
             ids = self.table.live_ids(rid)
             seq_len = self.table.num_tokens(rid)
             window_scores = res.window_scores[i] if res.window_scores is not None else None
-            # NOTE: the step's new tokens are protected (num_new), except for SnapKV's one decision
-            # at the end of prefill, where the window itself is what it protects (its contract: num_new=1).
-            num_new = 1 if window_scores is not None else int(new_counts[i])
-            view = self.policy.view(rid, seq_len, ids, seq_len=seq_len, num_new=num_new,
+            view = self.policy.view(rid, seq_len, ids, seq_len=seq_len, num_new=int(num_new[i]),
                                     scores=r.accumulator, window_scores=window_scores)
             victims = self.policy.select_victims(view)
             if len(victims):
@@ -441,7 +495,16 @@ class Engine:
         ``concurrency=None`` queues every prompt at once (open loop). With
         ``concurrency=C`` the run is closed-loop: C requests are submitted, and
         each completion submits the next one (its latency counts from then).
+        A prompt is token ids, or, with a tokenizer, a string or a list of chat
+        messages (one string or one chat alone is one prompt); each finished
+        request then carries its decoded ``text``. Every prompt is checked and
+        encoded before any is queued.
         """
+        from vtoken.checkpoints.tokenizer import is_text_prompt
+
+        if is_text_prompt(prompts):
+            prompts = [prompts]
+        prompts = [self.encode(p) for p in prompts]
         n = len(prompts)
         mnt = [max_new_tokens] * n if isinstance(max_new_tokens, (int, np.integer)) else list(max_new_tokens)
         if len(mnt) != n:

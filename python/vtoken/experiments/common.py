@@ -70,10 +70,15 @@ def check_policy(name: str) -> str:
 
 def check_run_options(cfg, ints: Sequence[str]) -> None:
     """The options every engine experiment config shares: ``evict_ratio`` in (0, 1),
-    ``window`` None or >= 0, each field named in ``ints`` >= 1, ``seed`` >= 0."""
+    ``window`` and ``sink`` None or >= 0, ``at`` None, ``"decode"`` or ``"prefill"``,
+    each field named in ``ints`` >= 1, ``seed`` >= 0."""
     check_ratio("evict_ratio", cfg.evict_ratio)
-    if cfg.window is not None:
-        check_int("window", cfg.window)
+    for name in ("window", "sink"):
+        if getattr(cfg, name, None) is not None:
+            check_int(name, getattr(cfg, name))
+    at = getattr(cfg, "at", None)
+    if at is not None and at not in ("decode", "prefill"):
+        raise InvalidArgumentError(f"at: expected 'decode' or 'prefill', got {at!r}")
     for name in ints:
         check_int(name, getattr(cfg, name), min_value=1)
     check_int("seed", cfg.seed)
@@ -168,7 +173,7 @@ class ModelSpec:
     """Which model an experiment runs, and where."""
 
     preset: str = "tiny"
-    path: Optional[str] = None  # a local HF Llama checkpoint directory (overrides the preset)
+    path: Optional[str] = None  # a real checkpoint (overrides the preset): a known name, an HF directory, a .gguf
     device: Optional[str] = None  # None: cuda if available, else cpu
     seed: int = 0
     threads: Optional[int] = None  # CPU intra-op threads to set (the CLI's default: 1); None: leave torch's
@@ -195,13 +200,21 @@ class ModelSpec:
 
     def build(self):
         """The :class:`~vtoken.engine.model.LlamaModel` (random weights from the preset, or the checkpoint)."""
+        return self.load()[0]
+
+    def load(self) -> tuple:
+        """``(model, tokenizer, eos_token_id)``: a real checkpoint's (:func:`vtoken.checkpoints.load`, a known
+        name fetched and cached on first use), or a random preset's model with ``(None, None)``."""
         from vtoken.engine.model import LlamaModel, ModelConfig
 
         device = self.resolved_device()
         configure_threads(device, self.threads)
         if self.path is not None:
-            return LlamaModel.from_pretrained(self.path, device=device)
-        return LlamaModel(ModelConfig(**MODEL_PRESETS[self.preset], seed=self.seed), device=device)
+            from vtoken.checkpoints import load
+
+            ck = load(self.path, device=device, progress=sys.stderr)
+            return ck.model, ck.tokenizer, ck.eos_token_id
+        return LlamaModel(ModelConfig(**MODEL_PRESETS[self.preset], seed=self.seed), device=device), None, None
 
     def describe(self, model) -> str:
         c = model.config
@@ -234,12 +247,16 @@ def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list:
 MAX_DEFAULT_WINDOW = 32
 
 
-def policy_config(name: str, evict_ratio: float, window: Optional[int] = None) -> dict:
+def policy_config(name: str, evict_ratio: float, window: Optional[int] = None, sink: Optional[int] = None,
+                  at: Optional[str] = None) -> dict:
     """A policy's config: keep ``1 - evict_ratio`` of each request's tokens (a budget ratio).
 
     ``window`` sets the protected recent window; ``None`` keeps the policy's
     default capped at :data:`MAX_DEFAULT_WINDOW` tokens (StreamingLLM's default
     1020-token window would protect every token of these short requests).
+    ``sink`` (protected first tokens) and ``at`` (``"decode"`` or
+    ``"prefill"``) default to the policy's own (4; SnapKV decides at prefill,
+    the others at decode).
     """
     import dataclasses
 
@@ -248,7 +265,19 @@ def policy_config(name: str, evict_ratio: float, window: Optional[int] = None) -
     if window is None:
         default = next(f.default for f in dataclasses.fields(type(get(name))) if f.name == "window")
         window = min(int(default), MAX_DEFAULT_WINDOW)
-    return {"budget": round(1.0 - evict_ratio, 9), "window": int(window)}
+    cfg = {"budget": round(1.0 - evict_ratio, 9), "window": int(window)}
+    if sink is not None:
+        cfg["sink"] = int(sink)
+    if at is not None:
+        cfg["at"] = at
+    return cfg
+
+
+def supported_at(name: str, at: Optional[str]) -> Optional[str]:
+    """``at`` when policy ``name`` has that mode, else None (its own: SnapKV has only prefill)."""
+    from vtoken.policies import get
+
+    return at if at is None or at in type(get(name)).at_modes else None
 
 
 def resident_engine_config(cfg, num_blocks: int, reclaim: dict) -> dict:
@@ -445,12 +474,25 @@ def require_matplotlib():
     return plt
 
 
-def add_model_args(p, *, device: bool = True) -> None:
-    """``--model-preset``, ``--model-path``, ``--device``, ``--threads``."""
+def add_model_args(p, *, device: bool = True, prompts: bool = False) -> None:
+    """``--model-preset``, ``--model``, ``--model-path``, ``--device``, ``--threads``
+    (and ``--prompt`` / ``--prompts`` with ``prompts=True``)."""
+    from vtoken.checkpoints.fetch import KNOWN
+
     p.add_argument("--model-preset", choices=sorted(MODEL_PRESETS), default="tiny",
                    help="random-weight model size: tiny (CPU, default) or gpu (TinyLlama-1.1B shape, bf16)")
+    p.add_argument("--model", choices=sorted(KNOWN), default=None,
+                   help="a real checkpoint by name, fetched once into the cache (needs the models extra)")
     p.add_argument("--model-path", default=None,
-                   help="a local Hugging Face Llama checkpoint directory (config.json + *.safetensors) instead")
+                   help="a local Llama checkpoint instead: a Hugging Face directory (config.json + *.safetensors) "
+                   "or a .gguf file")
+    if prompts:
+        p.add_argument("--prompt", default=None,
+                       help="one text prompt (a user message through the chat template) for every request; "
+                       "needs --model or --model-path")
+        p.add_argument("--prompts", metavar="FILE", default=None,
+                       help="prompts, one per line (a user message), or JSONL of chat message lists "
+                       "(default with a real model: the shipped set of 28 chat prompts)")
     if device:
         p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, default=1,
@@ -472,6 +514,11 @@ def add_workload_args(p, defaults, *, policy: bool = True, prompt_len: bool = Tr
                    help="fraction of each request's tokens evicted (default %(default)s)")
     p.add_argument("--window", type=int, default=None,
                    help="the policy's protected recent window (default: the policy's own, at most 32)")
+    p.add_argument("--sink", type=int, default=None,
+                   help="the policy's protected first tokens, the attention sinks (default: the policy's own, 4)")
+    p.add_argument("--at", choices=("decode", "prefill"), default=None,
+                   help="decode: evict during decode to the budget; prefill: compress each prompt once after its "
+                   "prefill, then never evict (default: the policy's own: prefill for snapkv, else decode)")
     if prompt_len:
         p.add_argument("--prompt-len", type=int, default=defaults.prompt_len,
                        help="prompt tokens (default %(default)s)")
@@ -491,8 +538,18 @@ def add_output_args(p) -> None:
 
 
 def model_spec(args) -> ModelSpec:
-    return ModelSpec(preset=args.model_preset, path=args.model_path, device=getattr(args, "device", None),
+    if args.model is not None and args.model_path is not None:
+        raise InvalidArgumentError(f"model: expected --model or --model-path, got both ({args.model!r}, "
+                                   f"{args.model_path!r})")
+    return ModelSpec(preset=args.model_preset, path=args.model or args.model_path, device=getattr(args, "device", None),
                      seed=args.seed, threads=args.threads)
+
+
+def prompt_texts(args) -> Optional[list]:
+    """``--prompt`` / ``--prompts`` as chat messages, or None."""
+    from vtoken.experiments.prompts import text_prompts
+
+    return text_prompts(getattr(args, "prompt", None), getattr(args, "prompts", None))
 
 
 def emit(args, result: dict, text: str) -> None:

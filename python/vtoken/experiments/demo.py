@@ -49,14 +49,15 @@ from vtoken.experiments.common import (
     check_run_options,
     full_blocks,
     headroom_blocks,
-    make_prompts,
+    fit_num_blocks,
     paired_run,
     policy_config,
-    resident_engine_config,
     warm_up,
 )
+from vtoken.experiments.prompts import shipped_prompts, workload_prompts
 
 MODES = ("native", "naive", "vtoken")
+DEFAULT_NUM_BLOCKS = 256
 
 
 @dataclass
@@ -64,11 +65,14 @@ class DemoConfig:
     policy: str = "h2o"
     evict_ratio: float = 0.5
     window: Optional[int] = None  # the policy's recent window (None: its default, at most 32)
+    sink: Optional[int] = None  # the policy's attention sinks (None: its default, 4)
+    at: Optional[str] = None  # "decode" or "prefill" (None: the policy's default)
     requests: int = 8
-    prompt_len: int = 128
+    prompt_len: int = 128  # random prompts' length (a real model serves text prompts instead)
     output_len: int = 256
     block_size: int = 16
-    num_blocks: int = 256
+    num_blocks: Optional[int] = None  # None: 256, or the smallest pool that holds every request if more
+    prompts: Optional[list] = None  # chat prompts (lists of messages); None: the shipped set on a real model
     theta_f: float = 0.25  # reclaim while the pool's F exceeds it (ReclaimConfig.theta_F's default)
     seed: int = 0
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -78,9 +82,18 @@ class DemoConfig:
         if isinstance(self.theta_f, bool) or not isinstance(self.theta_f, (int, float)) or not 0 <= self.theta_f < 1:
             raise InvalidArgumentError(f"theta_f: expected a value in [0, 1), got {self.theta_f!r}")
         check_run_options(self, ("requests", "prompt_len", "output_len", "block_size"))
-        check_int("num_blocks", self.num_blocks, min_value=2)
-        check_pool("num_blocks", self.num_blocks, self.num_blocks, self.block_size)
-        need = self.requests * full_blocks(self.prompt_len, self.output_len, self.block_size)
+        if self.num_blocks is not None:
+            check_int("num_blocks", self.num_blocks, min_value=2)
+            check_pool("num_blocks", self.num_blocks, self.num_blocks, self.block_size)
+            if self.prompts is None and self.model.path is None:  # random prompts: their size is known now
+                self.pool_for(self.prompt_len)
+
+    def pool_for(self, prompt_len: int) -> int:
+        """The pool that holds every request (prompts of at most ``prompt_len`` tokens) unevicted; checks a given one."""
+        per_request = full_blocks(prompt_len, self.output_len, self.block_size)
+        if self.num_blocks is None:
+            return max(DEFAULT_NUM_BLOCKS, fit_num_blocks(self.requests, per_request))
+        need = self.requests * per_request
         have = self.num_blocks - 1 - headroom_blocks(self.num_blocks)
         if need > have:
             raise InvalidArgumentError(
@@ -88,6 +101,7 @@ class DemoConfig:
                 f"({need} blocks + the null block + vtoken's headroom), got {self.num_blocks} "
                 f"({have} usable in vtoken mode)"
             )
+        return self.num_blocks
 
 
 @dataclass
@@ -97,16 +111,26 @@ class DemoResult:
     modes: dict  # mode -> ModeRun
     outputs_identical: bool  # naive and vtoken greedy outputs, token for token
     seconds: float
+    num_blocks: int = DEFAULT_NUM_BLOCKS  # the pool the run used
+    prompt_lens: list = field(default_factory=list)  # tokens per prompt
+    prompts: Optional[list] = None  # the user text of each request (text prompts only)
+    texts: dict = field(default_factory=dict)  # mode -> decoded output per request (a real model only)
 
     def to_dict(self) -> dict:
         c = self.config
+        modes = {m: r.to_dict() for m, r in self.modes.items()}
+        for m, texts in self.texts.items():
+            modes[m]["texts"] = texts
         return {
-            "config": {"policy": c.policy, "evict_ratio": c.evict_ratio, "window": c.window, "requests": c.requests,
-                       "prompt_len": c.prompt_len, "output_len": c.output_len, "block_size": c.block_size,
-                       "num_blocks": c.num_blocks, "theta_f": c.theta_f, "seed": c.seed},
+            "config": {"policy": c.policy, "evict_ratio": c.evict_ratio, "window": c.window, "sink": c.sink, "at": c.at,
+                       "requests": c.requests, "prompt_len": c.prompt_len, "output_len": c.output_len,
+                       "block_size": c.block_size, "num_blocks": self.num_blocks, "theta_f": c.theta_f, "seed": c.seed},
             "model": self.model,
-            "modes": {m: r.to_dict() for m, r in self.modes.items()},
+            "prompt_lens": self.prompt_lens,
+            "prompts": self.prompts,
+            "modes": modes,
             "outputs_identical": self.outputs_identical,
+            "identical": self.outputs_identical,  # naive vs vtoken, token for token (texts included)
             "seconds": self.seconds,
         }
 
@@ -115,23 +139,39 @@ def run_demo(cfg: DemoConfig, *, progress: Optional[Progress] = None) -> DemoRes
     import time
 
     t0 = time.perf_counter()
-    model = cfg.model.build()
-    check_kv_cache("num_blocks", cfg.num_blocks, model, cfg.num_blocks, cfg.block_size)
-    prompts = make_prompts(cfg.requests, cfg.prompt_len, model.config.vocab_size, cfg.seed)
-    engine_cfg = resident_engine_config(cfg, cfg.num_blocks, dict(EAGER_RECLAIM, theta_F=float(cfg.theta_f)))
-    warm_up(model, engine_cfg, cfg.prompt_len)
+    model, tokenizer, _ = cfg.model.load()
+    prompts = workload_prompts(cfg.requests, tokenizer=tokenizer, texts=cfg.prompts, length=cfg.prompt_len,
+                               vocab_size=model.config.vocab_size, seed=cfg.seed)
+    lens = [len(p) for p in prompts]
+    num_blocks = cfg.pool_for(max(lens))
+    check_pool("num_blocks", num_blocks, num_blocks, cfg.block_size)
+    check_kv_cache("num_blocks", num_blocks, model, num_blocks, cfg.block_size)
+    # NOTE: every request generates output_len tokens (a benchmark's ignore-eos: the requests stay in
+    # lockstep, so peak/req means what the table says); the texts are cut at the end-of-sequence token.
+    engine_cfg = dict(num_blocks=num_blocks, block_size=cfg.block_size, max_num_reqs=cfg.requests,
+                      max_num_tokens=max(sum(lens), max(lens) + cfg.output_len),
+                      reclaim=dict(EAGER_RECLAIM, theta_F=float(cfg.theta_f)))
+    warm_up(model, engine_cfg, max(lens))
     runs = paired_run(model, prompts, cfg.output_len, modes=MODES, policy=cfg.policy,
-                      policy_cfg=policy_config(cfg.policy, cfg.evict_ratio, cfg.window),
+                      policy_cfg=policy_config(cfg.policy, cfg.evict_ratio, cfg.window, cfg.sink, cfg.at),
                       engine_cfg=engine_cfg, progress=progress)
     same = runs["naive"].outputs == runs["vtoken"].outputs
-    return DemoResult(cfg, cfg.model.describe(model), runs, same, time.perf_counter() - t0)
+    texts, users = {}, None
+    if tokenizer is not None:
+        texts = {m: [tokenizer.decode(o) for o in r.outputs] for m, r in runs.items()}
+        chats = list(shipped_prompts() if cfg.prompts is None else cfg.prompts)
+        users = [chats[i % len(chats)][-1]["content"] for i in range(cfg.requests)]
+    return DemoResult(cfg, cfg.model.describe(model), runs, same, time.perf_counter() - t0, num_blocks, lens, users,
+                      texts)
 
 
 def format_demo(res: DemoResult) -> str:
     c = res.config
+    lens = res.prompt_lens or [c.prompt_len]
+    prompt = f"{lens[0]}" if min(lens) == max(lens) else f"{min(lens)}-{max(lens)}"
     lines = [
-        f"vtoken demo: {c.requests} requests x ({c.prompt_len} prompt + {c.output_len} output) tokens, "
-        f"block size {c.block_size}, budget {c.num_blocks - 1} blocks, policy {c.policy} "
+        f"vtoken demo: {c.requests} requests x ({prompt} prompt + {c.output_len} output) tokens, "
+        f"block size {c.block_size}, budget {res.num_blocks - 1} blocks, policy {c.policy} "
         f"(evict {100 * c.evict_ratio:g}%, decided on the device in each mode, decisions checked equal)",
         f"model: {res.model}",
         "",
@@ -157,7 +197,24 @@ def format_demo(res: DemoResult) -> str:
         f"inside the budget: {res.modes['vtoken'].usable_blocks} usable)",
         f"total {res.seconds:.1f} s",
     ]
+    if res.texts:
+        lines[2:2] = side_by_side(res) + [""]
     return "\n".join(lines)
+
+
+def side_by_side(res: DemoResult, *, shown: int = 3, width: int = 38, rows: int = 6) -> list:
+    """The first ``shown`` prompts, each with its native / naive / vtoken texts in columns (wrapped, cut)."""
+    import textwrap
+
+    modes = list(res.texts)
+    out = []
+    for i in range(min(shown, len(res.prompts or []))):
+        out += ["", f"prompt {i}: {textwrap.shorten(res.prompts[i], 110)}",
+                "  ".join(f"{m:<{width}}" for m in modes)]
+        cols = [textwrap.wrap(" ".join(res.texts[m][i].split()) or "(empty)", width)[:rows] for m in modes]
+        for k in range(max(len(col) for col in cols)):
+            out.append("  ".join(f"{(col[k] if k < len(col) else ''):<{width}}" for col in cols).rstrip())
+    return out
 
 
 def plot_demo(res: DemoResult, path: str, plt) -> None:
@@ -166,7 +223,7 @@ def plot_demo(res: DemoResult, path: str, plt) -> None:
     panels = [
         ("blocks retained per request", [res.modes[m].retained_blocks_per_request for m in modes]),
         ("utilization at finish (%)", [100 * res.modes[m].utilization for m in modes]),
-        (f"max concurrency at {res.config.num_blocks - 1} blocks", [res.modes[m].max_concurrency for m in modes]),
+        (f"max concurrency at {res.num_blocks - 1} blocks", [res.modes[m].max_concurrency for m in modes]),
     ]
     colors = ["#888888", "#d9822b", "#2b7bd9"]
     for ax, (title, vals) in zip(axes, panels):

@@ -71,12 +71,14 @@ class FragmentationConfig:
     block_size: int = 16
     seed: int = 0
     policy: Optional[str] = None  # a registered policy chooses the victims (``pattern`` is then unused)
+    window: Optional[int] = None  # the policy's recent window (None: its default, at most 32)
+    sink: Optional[int] = None  # the policy's attention sinks (None: its default, 4)
 
     def __post_init__(self):
         if self.policy is not None:
             from vtoken.experiments.policy_victims import make_policy
 
-            make_policy(self.policy, self.evict_ratio)  # validates the policy and its budget
+            make_policy(self.policy, self.evict_ratio, self.window, self.sink)  # validates the policy and its budget
         if self.pattern not in PATTERNS:
             raise InvalidArgumentError(f"pattern: expected one of {list(PATTERNS)}, got {self.pattern!r}")
         if not 0.0 <= float(self.evict_ratio) <= 1.0:
@@ -144,7 +146,7 @@ def run_fragmentation(cfg: FragmentationConfig, *, progress=None) -> Fragmentati
         from vtoken.experiments.policy_victims import policy_victims
 
         per = policy_victims(cfg.policy, requests=R, context=L, evict_ratio=float(cfg.evict_ratio), seed=cfg.seed,
-                             progress=progress)
+                             window=cfg.window, sink=cfg.sink, progress=progress)
     else:
         rng = np.random.default_rng(cfg.seed)
         per = [victims(cfg.pattern, float(cfg.evict_ratio), L, rng) for _ in reqs]

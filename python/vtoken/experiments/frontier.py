@@ -203,12 +203,12 @@ class FrontierConfig:
 
     @classmethod
     def from_options(cls, preset: Optional[str] = None, *, window: Optional[int] = None,
-                     reclaim: Optional[dict] = None, **options) -> "FrontierConfig":
+                     sink: Optional[int] = None, reclaim: Optional[dict] = None, **options) -> "FrontierConfig":
         """Build from command-line options, where ``None`` means "not given".
 
         A ``preset`` supplies the defaults that the given options override; an
         explicit ``evict_ratio`` without ``kv_budget`` replaces the preset's
-        budget. ``window`` goes to ``policy_config``; ``reclaim`` holds
+        budget. ``window`` and ``sink`` go to ``policy_config``; ``reclaim`` holds
         :class:`ReclaimConfig` fields (``None`` values dropped).
         """
         if preset is not None and preset not in PRESETS:
@@ -217,8 +217,9 @@ class FrontierConfig:
         given = {k: v for k, v in options.items() if v is not None}
         if "evict_ratio" in given and "kv_budget" not in given:
             base.pop("kv_budget", None)
-        if window is not None:
-            given["policy_config"] = {**given.get("policy_config", {}), "window": window}
+        for key, value in (("window", window), ("sink", sink)):
+            if value is not None:
+                given["policy_config"] = {**given.get("policy_config", {}), key: value}
         rec = {k: v for k, v in (reclaim or {}).items() if v is not None}
         return cls(**{**base, **given}, reclaim=rec)
 

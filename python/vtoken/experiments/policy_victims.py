@@ -53,7 +53,7 @@ def peak_bytes(context: int) -> int:
     return context * (kv_bytes_per_token(tiny) + scores)
 
 
-def make_policy(policy: str, evict_ratio: float, window: Optional[int] = None):
+def make_policy(policy: str, evict_ratio: float, window: Optional[int] = None, sink: Optional[int] = None):
     """The policy that keeps ``1 - evict_ratio`` of a prompt (``None`` when nothing is evicted); validates."""
     from vtoken.errors import InvalidArgumentError
     from vtoken.policies import get
@@ -63,14 +63,14 @@ def make_policy(policy: str, evict_ratio: float, window: Optional[int] = None):
         raise InvalidArgumentError(f"evict_ratio: expected a value in [0, 1], got {evict_ratio!r}")
     if evict_ratio == 0:
         return None
-    cfg = policy_config(policy, float(evict_ratio), window)
+    cfg = policy_config(policy, float(evict_ratio), window, sink)
     # A ratio budget lies in (0, 1); evicting everything means "keep only the protected tokens" (budget None).
     cfg["budget"] = None if evict_ratio == 1 else round(1.0 - float(evict_ratio), 9)
     return get(policy, **cfg)
 
 
 def policy_victims(policy: str, *, requests: int, context: int, evict_ratio: float, seed: int = 0,
-                   window: Optional[int] = None, model: Optional[ModelSpec] = None,
+                   window: Optional[int] = None, sink: Optional[int] = None, model: Optional[ModelSpec] = None,
                    progress: Optional[Progress] = None) -> list:
     """Per request, the sorted logical ids (int64) ``policy`` evicts at the end of its prompt."""
     import torch
@@ -80,7 +80,7 @@ def policy_victims(policy: str, *, requests: int, context: int, evict_ratio: flo
 
     check_int("requests", requests, min_value=1)
     check_int("context", context, min_value=1)
-    pol = make_policy(policy, evict_ratio, window)
+    pol = make_policy(policy, evict_ratio, window, sink)
     if pol is None:
         return [np.zeros(0, dtype=np.int64) for _ in range(requests)]
     spec = model if model is not None else ModelSpec(threads=1)

@@ -47,6 +47,7 @@ import numpy as np
 
 from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError
+from vtoken.policies import decision_plan
 from vtoken.experiments.common import (
     EAGER_RECLAIM,
     ModelSpec,
@@ -75,6 +76,8 @@ class PrefixConfig:
     policy: str = "h2o"
     evict_ratio: float = 0.5
     window: Optional[int] = None  # the policy's recent window (None: its default, at most 32)
+    sink: Optional[int] = None  # the policy's attention sinks (None: its default, 4)
+    at: Optional[str] = None  # "decode" or "prefill" (None: the policy's default)
     seed: int = 0
     model: ModelSpec = field(default_factory=ModelSpec)
 
@@ -115,7 +118,7 @@ class PrefixResult:
             "config": {"degrees": list(c.degrees), "requests": c.requests, "prefix_len": c.prefix_len,
                        "suffix_len": c.suffix_len, "output_len": c.output_len, "block_size": c.block_size,
                        "num_blocks": c.num_blocks, "policy": c.policy, "evict_ratio": c.evict_ratio,
-                       "window": c.window, "seed": c.seed},
+                       "window": c.window, "sink": c.sink, "at": c.at, "seed": c.seed},
             "model": self.model,
             "degrees": self.rows,
             "seconds": self.seconds,
@@ -136,7 +139,7 @@ class _SharedPrefixRun:
                     reclaim=dict(EAGER_RECLAIM), decision="host")  # stepped by hand: decides on the host
         if trace is None:
             self.eng = Engine(model, EngineConfig(policy=cfg.policy, policy_config=policy_config(
-                cfg.policy, cfg.evict_ratio, cfg.window), **ecfg), record_trace=True)
+                cfg.policy, cfg.evict_ratio, cfg.window, cfg.sink, cfg.at), **ecfg), record_trace=True)
             self.replay = None
         else:
             self.replay = ReplayPolicy(trace)
@@ -163,11 +166,15 @@ class _SharedPrefixRun:
 
             accumulate_batch([self.acc.get(r) for r in rids], res.token_ids, res.key_scores, res.kv_indptr)
         if evict:
+            # the suffix prefill completes every prompt; the policy's plan says who decides (EvictionPolicy.at)
+            decides, protect = decision_plan(eng.decides_at, np.full(len(rids), num_new), np.full(len(rids), prefill))
             for i, r in enumerate(rids):
+                if not decides[i]:
+                    continue
                 ids = eng.table.live_ids(r)
                 seq_len = eng.table.num_tokens(r)
                 ws = res.window_scores[i] if res.window_scores is not None else None
-                view = self.policy.view(r, seq_len, ids, seq_len=seq_len, num_new=1 if ws is not None else num_new,
+                view = self.policy.view(r, seq_len, ids, seq_len=seq_len, num_new=int(protect[i]),
                                         scores=self.acc.get(r), window_scores=ws)
                 victims = self.policy.select_victims(view)
                 if len(victims):

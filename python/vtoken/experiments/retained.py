@@ -37,6 +37,7 @@ from vtoken.experiments.common import (
     paired_run,
     policy_config,
     resident_engine_config,
+    supported_at,
     warm_up,
 )
 
@@ -56,6 +57,8 @@ class RetainedConfig:
     policies: tuple = field(default_factory=_all_policies)
     evict_ratio: float = 0.5
     window: Optional[int] = None  # every policy's recent window (None: its default, at most 32)
+    sink: Optional[int] = None  # the policy's attention sinks (None: its default, 4)
+    at: Optional[str] = None  # "decode" or "prefill" (None: the policy's default)
     requests: int = 4
     prompt_len: int = 128
     output_len: int = 128
@@ -90,7 +93,7 @@ class RetainedResult:
     def to_dict(self) -> dict:
         c = self.config
         return {
-            "config": {"policies": list(c.policies), "evict_ratio": c.evict_ratio, "window": c.window,
+            "config": {"policies": list(c.policies), "evict_ratio": c.evict_ratio, "window": c.window, "sink": c.sink, "at": c.at,
                        "requests": c.requests, "prompt_len": c.prompt_len, "output_len": c.output_len,
                        "block_size": c.block_size, "num_blocks": c.num_blocks, "seed": c.seed},
             "model": self.model,
@@ -109,7 +112,7 @@ def run_retained(cfg: RetainedConfig, *, progress: Optional[Progress] = None) ->
     rows = {}
     for name in cfg.policies:
         runs = paired_run(model, prompts, cfg.output_len, modes=MODES, policy=name,
-                          policy_cfg=policy_config(name, cfg.evict_ratio, cfg.window),
+                          policy_cfg=policy_config(name, cfg.evict_ratio, cfg.window, cfg.sink, supported_at(name, cfg.at)),
                           engine_cfg=engine_cfg, progress=progress)
         row = {m: {k: runs[m].to_dict()[k] for k in KEYS} for m in MODES}
         row["outputs_identical"] = runs["naive"].outputs == runs["vtoken"].outputs

@@ -67,6 +67,8 @@ class SlaConfig:
     policy: str = "h2o"
     evict_ratio: float = 0.5
     window: Optional[int] = None  # the policy's recent window (None: its default, at most 32)
+    sink: Optional[int] = None  # the policy's attention sinks (None: its default, 4)
+    at: Optional[str] = None  # "decode" or "prefill" (None: the policy's default)
     concurrency: tuple = (1, 2, 4, 8, 12, 16)
     rounds: int = 2  # requests per point = rounds x C
     prompt_len: int = 64
@@ -141,7 +143,7 @@ class SlaResult:
         nv = self.best.get("naive")
         vt = self.best.get("vtoken")
         return {
-            "config": {"policy": c.policy, "evict_ratio": c.evict_ratio, "window": c.window,
+            "config": {"policy": c.policy, "evict_ratio": c.evict_ratio, "window": c.window, "sink": c.sink, "at": c.at,
                        "concurrency": list(c.concurrency), "rounds": c.rounds, "prompt_len": c.prompt_len,
                        "output_len": c.output_len, "block_size": c.block_size, "num_blocks": c.num_blocks,
                        "sla_concurrency": c.sla_concurrency, "sla_factor": c.sla_factor, "seed": c.seed},
@@ -163,7 +165,7 @@ def _point(model, mode: str, cfg: SlaConfig, C: int) -> dict:
                         max_num_tokens=max(C * cfg.prompt_len, cfg.prompt_len + cfg.output_len),
                         policy=None if mode == "native" else cfg.policy,
                         policy_config={} if mode == "native" else policy_config(cfg.policy, cfg.evict_ratio,
-                                                                                cfg.window))
+                                                                                cfg.window, cfg.sink, cfg.at))
     eng = timed_engine_class()(model, ecfg)
     if eng.runner.use_graph:
         eng.runner.capture_graphs()  # capture is set-up, not serving time

@@ -1,0 +1,112 @@
+"""One call from a checkpoint name or path to a model, its tokenizer and its end-of-sequence token.
+
+``load(name_or_path)`` accepts:
+
+- a :data:`~vtoken.checkpoints.fetch.KNOWN` name (``"smollm2"``): the GGUF is
+  fetched once (:func:`~vtoken.checkpoints.fetch.fetch`), exported once to a
+  Hugging Face directory next to it in the cache (``<cache>/models/<name>/hf``,
+  written to a temporary directory and renamed, so a cached export is always
+  complete), and loaded from that directory: about 3 s on a 2-core machine
+  instead of the GGUF's 8 s dequantization and 15 s tokenizer conversion;
+- a ``.gguf`` file (read directly, no cache);
+- a Hugging Face checkpoint directory.
+
+``eos_token_id`` comes from ``generation_config.json``, else ``config.json``
+(the first id when it is a list), else the tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from vtoken.checkpoints.fetch import KNOWN, cache_dir, fetch, known
+from vtoken.errors import InvalidArgumentError
+
+_STAMP = "vtoken-export.json"  # written last into a cached export: which GGUF it came from
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: ``model`` (:class:`~vtoken.engine.model.LlamaModel`), ``tokenizer``
+    (:class:`~vtoken.checkpoints.tokenizer.Tokenizer`), ``eos_token_id`` and where it came from."""
+
+    model: Any
+    tokenizer: Any
+    eos_token_id: Optional[int]
+    source: str
+
+
+def exported_dir(name: str, *, cache: Optional[str] = None, progress=None) -> str:
+    """The cached Hugging Face export of known checkpoint ``name`` (fetched and exported on first use)."""
+    from vtoken.checkpoints.gguf_llama import export_hf
+
+    ck = known(name)
+    gguf_path = fetch(name, cache=cache, **({} if progress is None else {"progress": progress}))
+    target = os.path.join(cache_dir(name, cache), "hf")
+    stamp = os.path.join(target, _STAMP)
+    if os.path.isfile(stamp):
+        with open(stamp) as f:
+            if json.load(f).get("sha256") == ck.sha256:
+                return target
+    if progress is not None:
+        progress.write(f"exporting {ck.filename} to {target} (once)\n")
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".hf-")
+    try:
+        export_hf(gguf_path, tmp)
+        with open(os.path.join(tmp, _STAMP), "w") as f:
+            json.dump({"sha256": ck.sha256, "source": ck.filename}, f)
+        shutil.rmtree(target, ignore_errors=True)  # a stale or partial export
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def checkpoint_eos(path: str) -> Optional[int]:
+    """The end-of-sequence id a checkpoint declares (see module docstring), or None."""
+    if path.endswith(".gguf"):
+        from vtoken.checkpoints.gguf_llama import read_gguf_llama
+
+        return read_gguf_llama(path, with_tensors=False).config.get("eos_token_id")
+    for name in ("generation_config.json", "config.json"):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                eos = json.load(f).get("eos_token_id")
+            if isinstance(eos, list):
+                eos = eos[0] if eos else None
+            if eos is not None:
+                return int(eos)
+    return None
+
+
+def resolve(name_or_path: str, *, cache: Optional[str] = None, progress=None) -> str:
+    """The local checkpoint a name or path stands for (a known name's cached export, else the path itself)."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise InvalidArgumentError(f"model: expected a checkpoint name or path, got {name_or_path!r}")
+    name_or_path = os.fspath(name_or_path)
+    if name_or_path in KNOWN:
+        return exported_dir(name_or_path, cache=cache, progress=progress)
+    if not (os.path.isdir(name_or_path) or (name_or_path.endswith(".gguf") and os.path.isfile(name_or_path))):
+        raise InvalidArgumentError(f"model: expected one of {sorted(KNOWN)}, a checkpoint directory or a .gguf "
+                                   f"file, got {name_or_path!r}")
+    return name_or_path
+
+
+def load(name_or_path: str, *, device="cpu", dtype=None, cache: Optional[str] = None, progress=None) -> Checkpoint:
+    """Model, tokenizer and end-of-sequence id of a known name, a ``.gguf`` file or an HF directory."""
+    from vtoken.checkpoints.tokenizer import Tokenizer
+    from vtoken.engine.model import LlamaModel
+
+    path = resolve(name_or_path, cache=cache, progress=progress)
+    tokenizer = Tokenizer.from_checkpoint(path)
+    eos = checkpoint_eos(path)
+    return Checkpoint(LlamaModel.from_pretrained(path, device=device, dtype=dtype), tokenizer,
+                      tokenizer.eos_token_id if eos is None else int(eos), path)
+
+
+__all__ = ["Checkpoint", "checkpoint_eos", "exported_dir", "load", "resolve"]
