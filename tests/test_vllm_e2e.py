@@ -204,3 +204,39 @@ def test_d_tensor_parallel_2_matches_tensor_parallel_1(model_dir, runs):
     for k in ("evicted_tokens", "relocations", "reclaimed_blocks", "peak_blocks_held", "sum_blocks_held"):
         assert r["stats"][k] == tp1["stats"][k], k
     assert r["free_blocks_after_shutdown"] == r["num_gpu_blocks"] - 1
+
+
+# ----------------------------------------------------------------------------- a real model
+REAL_CHATS = [
+    "List five tips for staying focused while studying.",
+    "What is the capital of Japan, and what is it known for?",
+    "Tell a short story about a robot who learns to paint.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct exported as an HF directory (fetched and exported once into vtoken's cache)."""
+    pytest.importorskip("gguf")
+    from vtoken.checkpoints.loader import exported_dir
+
+    return exported_dir("smollm2")
+
+
+def test_i_vllm_serves_the_exported_real_model_naive_equals_vtoken(smollm2_dir):
+    """vLLM loads vtoken's export of SmolLM2; h2o at ratio 0.5 on 4 chat prompts: naive == vtoken, token for token."""
+    from vtoken.checkpoints.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_checkpoint(smollm2_dir)
+    ids = [tok.encode([{"role": "user", "content": c}]).tolist() for c in REAL_CHATS]
+    base = {"model_dir": smollm2_dir, "make_model": False, "prompt_ids": ids, "max_tokens": 40, "block_size": 16,
+            "max_model_len": 512, "num_blocks": 64, "policy": "h2o",
+            "policy_config": {"budget": 0.5, "window": 16}, "reclaim": RECLAIM}  # the default sink: 4
+    naive = run_vllm({**base, "mode": "naive"})
+    vt = run_vllm({**base, "mode": "vtoken"})
+    assert vt["outputs"] == naive["outputs"]
+    assert naive["stats"]["evicted_tokens"] == vt["stats"]["evicted_tokens"] > 0
+    assert vt["stats"]["relocations"] > 0
+    texts = [tok.decode(o) for o in vt["outputs"]]
+    assert "Tokyo" in texts[1], texts[1]  # a trained model served right, through vLLM's own loader

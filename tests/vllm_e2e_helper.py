@@ -61,6 +61,8 @@ def make_tiny_llama(path: str, *, vocab=512, hidden=128, layers=2, heads=4, kv_h
 
 
 def prompts_for(cfg: dict) -> list[list[int]]:
+    if "prompt_ids" in cfg:  # given token ids (e.g. chat prompts a real checkpoint's tokenizer encoded)
+        return [list(p) for p in cfg["prompt_ids"]]
     rng = random.Random(cfg.get("seed", 0))
     lo, hi = cfg.get("prompt_len", [40, 80])
     out = [[rng.randrange(3, TINY_LLAMA["vocab"]) for _ in range(rng.randrange(lo, hi + 1))]

@@ -124,7 +124,7 @@ def _add_retained(sub) -> None:
                    help="comma-separated policies (default: all: %(default)s)")
     add_workload_args(p, d, policy=False)
     p.add_argument("--requests", type=int, default=d.requests, help="requests (default %(default)s)")
-    add_model_args(p)
+    add_model_args(p, prompts=True)
     add_output_args(p)
     p.set_defaults(func=_run_retained, parser=p)
 
@@ -138,7 +138,7 @@ def _run_retained(args) -> int:
         cfg = RetainedConfig(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
                              evict_ratio=args.evict_ratio, window=args.window, sink=args.sink, at=args.at, requests=args.requests,
                              prompt_len=args.prompt_len, output_len=args.output_len, block_size=args.block_size,
-                             seed=args.seed, model=common.model_spec(args))
+                             seed=args.seed, model=common.model_spec(args), prompts=common.prompt_texts(args))
         with common.Progress(2 * len(cfg.policies), "retained") as progress:
             res = run_retained(cfg, progress=progress)
     if plt is not None:
@@ -169,7 +169,7 @@ def _add_sla(sub) -> None:
                    help="the SLA is set by naive's p95 at this concurrency (default %(default)s)")
     p.add_argument("--sla-factor", type=float, default=d.sla_factor,
                    help="SLA = this x naive's p95 per-token latency (default %(default)s)")
-    add_model_args(p)
+    add_model_args(p, prompts=True)
     add_output_args(p)
     p.set_defaults(func=_run_sla, parser=p)
 
@@ -184,7 +184,7 @@ def _run_sla(args) -> int:
                         concurrency=args.concurrency, rounds=args.rounds, prompt_len=args.prompt_len,
                         output_len=args.output_len, block_size=args.block_size, num_blocks=args.num_blocks,
                         sla_concurrency=args.sla_concurrency, sla_factor=args.sla_factor, seed=args.seed,
-                        model=common.model_spec(args))
+                        model=common.model_spec(args), prompts=common.prompt_texts(args))
         with common.Progress(len(MODES) * len(cfg.concurrency), "sla") as progress:
             res = run_sla(cfg, progress=progress)
     if plt is not None:

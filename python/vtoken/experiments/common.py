@@ -523,7 +523,8 @@ def add_workload_args(p, defaults, *, policy: bool = True, prompt_len: bool = Tr
         p.add_argument("--prompt-len", type=int, default=defaults.prompt_len,
                        help="prompt tokens (default %(default)s)")
     p.add_argument("--output-len", type=int, default=defaults.output_len,
-                   help="generated tokens (default %(default)s)")
+                   help="generated tokens (default %(default)s)" if defaults.output_len is not None else
+                   "generated tokens (default: 256 on a random preset, 64 on a real checkpoint)")
     p.add_argument("--block-size", type=int, default=defaults.block_size,
                    help="tokens per KV block (default %(default)s)")
     p.add_argument("--seed", type=int, default=defaults.seed,

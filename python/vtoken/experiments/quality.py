@@ -67,7 +67,7 @@ class QualityConfig:
     policies: tuple = field(default_factory=_all_policies)
     ratios: tuple = (0.25, 0.5, 0.75)  # evict ratios: the share of each request's tokens evicted
     at: tuple = AT  # decision modes
-    max_new_tokens: int = 48
+    max_new_tokens: int = 32
     window: Optional[int] = None  # every policy's recent window (None: its default, at most 32)
     sink: Optional[int] = None  # every policy's attention sinks (None: its default, 4)
     block_size: int = 16

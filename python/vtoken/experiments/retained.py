@@ -33,13 +33,12 @@ from vtoken.experiments.common import (
     check_run_options,
     fit_num_blocks,
     full_blocks,
-    make_prompts,
     paired_run,
     policy_config,
-    resident_engine_config,
     supported_at,
     warm_up,
 )
+from vtoken.experiments.prompts import workload_prompts
 
 MODES = ("naive", "vtoken")
 KEYS = ("retained_blocks_per_request", "utilization", "ideal_blocks_per_request", "peak_blocks_per_request",
@@ -60,7 +59,8 @@ class RetainedConfig:
     sink: Optional[int] = None  # the policy's attention sinks (None: its default, 4)
     at: Optional[str] = None  # "decode" or "prefill" (None: the policy's default)
     requests: int = 4
-    prompt_len: int = 128
+    prompt_len: int = 128  # random prompts' length (a real model serves text prompts instead)
+    prompts: Optional[list] = None  # chat prompts; None: the shipped set on a real model
     output_len: int = 128
     block_size: int = 16
     seed: int = 0
@@ -89,13 +89,14 @@ class RetainedResult:
     model: str
     rows: dict  # policy -> {"naive": {...}, "vtoken": {...}, "outputs_identical": bool, "reduction": float}
     seconds: float
+    num_blocks: Optional[int] = None  # the pool the run used (text prompts size it from their lengths)
 
     def to_dict(self) -> dict:
         c = self.config
         return {
             "config": {"policies": list(c.policies), "evict_ratio": c.evict_ratio, "window": c.window, "sink": c.sink, "at": c.at,
                        "requests": c.requests, "prompt_len": c.prompt_len, "output_len": c.output_len,
-                       "block_size": c.block_size, "num_blocks": c.num_blocks, "seed": c.seed},
+                       "block_size": c.block_size, "num_blocks": self.num_blocks or c.num_blocks, "seed": c.seed},
             "model": self.model,
             "policies": self.rows,
             "seconds": self.seconds,
@@ -104,11 +105,15 @@ class RetainedResult:
 
 def run_retained(cfg: RetainedConfig, *, progress: Optional[Progress] = None) -> RetainedResult:
     t0 = time.perf_counter()
-    model = cfg.model.build()
-    check_kv_cache("requests", cfg.requests, model, cfg.num_blocks, cfg.block_size)
-    prompts = make_prompts(cfg.requests, cfg.prompt_len, model.config.vocab_size, cfg.seed)
-    engine_cfg = resident_engine_config(cfg, cfg.num_blocks, dict(EAGER_RECLAIM))
-    warm_up(model, engine_cfg, cfg.prompt_len)
+    model, tokenizer, _ = cfg.model.load()
+    prompts = workload_prompts(cfg.requests, tokenizer=tokenizer, texts=cfg.prompts, length=cfg.prompt_len,
+                               vocab_size=model.config.vocab_size, seed=cfg.seed)
+    lens = [len(p) for p in prompts]
+    num_blocks = fit_num_blocks(cfg.requests, full_blocks(max(lens), cfg.output_len, cfg.block_size))
+    check_kv_cache("requests", cfg.requests, model, num_blocks, cfg.block_size)
+    engine_cfg = dict(num_blocks=num_blocks, block_size=cfg.block_size, max_num_reqs=cfg.requests,
+                      max_num_tokens=max(sum(lens), max(lens) + cfg.output_len), reclaim=dict(EAGER_RECLAIM))
+    warm_up(model, engine_cfg, max(lens))
     rows = {}
     for name in cfg.policies:
         runs = paired_run(model, prompts, cfg.output_len, modes=MODES, policy=name,
@@ -119,7 +124,7 @@ def run_retained(cfg: RetainedConfig, *, progress: Optional[Progress] = None) ->
         n, v = row["naive"]["retained_blocks_per_request"], row["vtoken"]["retained_blocks_per_request"]
         row["reduction"] = 1.0 - v / n
         rows[name] = row
-    return RetainedResult(cfg, cfg.model.describe(model), rows, time.perf_counter() - t0)
+    return RetainedResult(cfg, cfg.model.describe(model), rows, time.perf_counter() - t0, num_blocks)
 
 
 def format_retained(res: RetainedResult) -> str:

@@ -52,11 +52,11 @@ from vtoken.experiments.common import (
     check_policy,
     check_pool,
     check_run_options,
-    make_prompts,
     parse_int_list,
     policy_config,
     warm_up,
 )
+from vtoken.experiments.prompts import workload_prompts
 
 MODES = ("native", "naive", "vtoken")
 PROMPT_OVERHEAD_BYTES = 112  # one numpy array object: sys.getsizeof(np.zeros(0, np.int64)), numpy 2
@@ -71,7 +71,8 @@ class SlaConfig:
     at: Optional[str] = None  # "decode" or "prefill" (None: the policy's default)
     concurrency: tuple = (1, 2, 4, 8, 12, 16)
     rounds: int = 2  # requests per point = rounds x C
-    prompt_len: int = 64
+    prompt_len: int = 64  # random prompts' length (a real model serves text prompts instead)
+    prompts: Optional[list] = None  # chat prompts; None: the shipped set on a real model
     output_len: int = 128
     block_size: int = 16
     num_blocks: int = 128
@@ -156,13 +157,15 @@ class SlaResult:
         }
 
 
-def _point(model, mode: str, cfg: SlaConfig, C: int) -> dict:
+def _point(model, mode: str, cfg: SlaConfig, C: int, tokenizer=None) -> dict:
     from vtoken.engine.scheduler import EngineConfig
 
     n = cfg.rounds * C
-    prompts = make_prompts(n, cfg.prompt_len, model.config.vocab_size, cfg.seed)
+    prompts = workload_prompts(n, tokenizer=tokenizer, texts=cfg.prompts, length=cfg.prompt_len,
+                               vocab_size=model.config.vocab_size, seed=cfg.seed)
+    longest = max(len(p) for p in prompts)
     ecfg = EngineConfig(mode=mode, num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_num_reqs=C,
-                        max_num_tokens=max(C * cfg.prompt_len, cfg.prompt_len + cfg.output_len),
+                        max_num_tokens=max(C * longest, longest + cfg.output_len),
                         policy=None if mode == "native" else cfg.policy,
                         policy_config={} if mode == "native" else policy_config(cfg.policy, cfg.evict_ratio,
                                                                                 cfg.window, cfg.sink, cfg.at))
@@ -200,7 +203,7 @@ def run_sla(cfg: SlaConfig, *, progress: Optional[Progress] = None) -> SlaResult
     c = max(cfg.concurrency)
     check_memory("concurrency", c, c * prompt_bytes, "prompts")
     check_memory("rounds", cfg.rounds, cfg.rounds * c * prompt_bytes, "prompts")
-    model = cfg.model.build()
+    model, tokenizer, _ = cfg.model.load()
     check_kv_cache("num_blocks", cfg.num_blocks, model, cfg.num_blocks, cfg.block_size)
     warm_up(model, dict(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                         max_num_tokens=cfg.prompt_len + cfg.output_len), cfg.prompt_len)
@@ -210,7 +213,7 @@ def run_sla(cfg: SlaConfig, *, progress: Optional[Progress] = None) -> SlaResult
         for mode in MODES:
             if progress is not None:
                 progress.set_description(f"{mode} C={C}")
-            points[mode].append(_point(model, mode, cfg, C))
+            points[mode].append(_point(model, mode, cfg, C, tokenizer))
             if progress is not None:
                 progress.advance()
     ref = next(p for p in points["naive"] if p["concurrency"] == cfg.sla_concurrency)
