@@ -522,9 +522,13 @@ def add_workload_args(p, defaults, *, policy: bool = True, prompt_len: bool = Tr
     if prompt_len:
         p.add_argument("--prompt-len", type=int, default=defaults.prompt_len,
                        help="prompt tokens (default %(default)s)")
-    p.add_argument("--output-len", type=int, default=defaults.output_len,
-                   help="generated tokens (default %(default)s)" if defaults.output_len is not None else
-                   "generated tokens (default: 256 on a random preset, 64 on a real checkpoint)")
+    import dataclasses
+
+    # the field's own default: a config's __post_init__ may resolve None on the instance
+    output_len = next(f.default for f in dataclasses.fields(type(defaults)) if f.name == "output_len")
+    p.add_argument("--output-len", type=int, default=output_len,
+                   help="generated tokens (default %(default)s)" if output_len is not None else
+                   "generated tokens (default: 256 on a random preset, 48 on a real checkpoint)")
     p.add_argument("--block-size", type=int, default=defaults.block_size,
                    help="tokens per KV block (default %(default)s)")
     p.add_argument("--seed", type=int, default=defaults.seed,

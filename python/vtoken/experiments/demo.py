@@ -69,7 +69,7 @@ class DemoConfig:
     at: Optional[str] = None  # "decode" or "prefill" (None: the policy's default)
     requests: int = 8
     prompt_len: int = 128  # random prompts' length (a real model serves text prompts instead)
-    output_len: Optional[int] = None  # None: 256 on a random preset, 64 on a real checkpoint (CPU-friendly)
+    output_len: Optional[int] = None  # None: 256 on a random preset, 48 on a real checkpoint (CPU-friendly)
     block_size: int = 16
     num_blocks: Optional[int] = None  # None: 256, or the smallest pool that holds every request if more
     prompts: Optional[list] = None  # chat prompts (lists of messages); None: the shipped set on a real model
@@ -82,7 +82,7 @@ class DemoConfig:
         if isinstance(self.theta_f, bool) or not isinstance(self.theta_f, (int, float)) or not 0 <= self.theta_f < 1:
             raise InvalidArgumentError(f"theta_f: expected a value in [0, 1), got {self.theta_f!r}")
         if self.output_len is None:
-            self.output_len = 64 if self.model.path is not None else 256
+            self.output_len = 48 if self.model.path is not None else 256
         check_run_options(self, ("requests", "prompt_len", "output_len", "block_size"))
         if self.num_blocks is not None:
             check_int("num_blocks", self.num_blocks, min_value=2)
