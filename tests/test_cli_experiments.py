@@ -66,7 +66,9 @@ def test_demo_json(capsys):
                         "prompts"}
     assert got["identical"] is True and got["prompts"] is None and got["prompt_lens"] == [24] * 3  # random ids
     assert list(got["modes"]) == ["native", "naive", "vtoken"]
-    assert all(set(m) == MODE_KEYS for m in got["modes"].values())
+    assert set(got["modes"]["native"]) == MODE_KEYS
+    assert all(set(got["modes"][m]) == MODE_KEYS | {"identical"} for m in ("naive", "vtoken"))
+    assert got["modes"]["vtoken"]["identical"] is got["modes"]["naive"]["identical"] is True
     assert got["outputs_identical"] is True
     nat, nv, vt = (got["modes"][m] for m in ("native", "naive", "vtoken"))
     # Native keeps everything: prompt + all outputs but the last, packed from block 0 of each request.

@@ -299,6 +299,19 @@ def test_snapkv_window_step_gets_a_record_for_all_its_victims():
     pair.check_same_live([0, 1])
 
 
+@pytest.mark.parametrize("name", ["h2o", "tova", "streamingllm"])
+def test_a_prefill_compression_gets_a_record_for_all_its_victims(name):
+    """at="prefill" decides once: a full record cannot defer its victims to a step that will not decide."""
+    rng = np.random.default_rng(10)
+    pair = Pair(P.get(name, budget=0.25, window=3, at="prefill"), 2, rng, victim_capacity=5)
+    pair.step([0, 1], {0: 40, 1: 44}, coarse=False)  # the prompt step: 27 + 30 victims
+    pair.step([0, 1], {0: 1, 1: 1}, coarse=False)  # a decode step: decides nothing
+    pair.loop.drain_all()
+    assert pair.loop.num_deferred == 0 and pair.loop.ring.victim_capacity >= 57
+    assert [pair.a.live_count(r) for r in (0, 1)] == [10 + 1, 11 + 1]
+    pair.check_same_live([0, 1])
+
+
 def test_a_record_that_fails_to_apply_stays_queued():
     rng = np.random.default_rng(9)
     pair = Pair(P.get("streamingllm", sink=0, window=2, budget=None), 1, rng)

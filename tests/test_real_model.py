@@ -101,10 +101,12 @@ def test_text_and_chat_prompts_decode_to_text_and_stop_at_the_checkpoints_eos(ck
 
 def test_bad_prompts_are_refused_before_anything_is_queued(ck):
     eng = Engine(ck.model, EngineConfig(mode="native", num_blocks=64), tokenizer=ck.tokenizer)
-    with pytest.raises(InvalidArgumentError, match=r"prompt\[0\]"):
+    with pytest.raises(InvalidArgumentError, match=r"prompts\[1\]\[0\]"):
         eng.generate(["fine", [{"role": "user"}]], 4)  # the second is a chat with a message without content
-    with pytest.raises(InvalidArgumentError, match="prompt"):
+    with pytest.raises(InvalidArgumentError, match=r"prompts\[0\]: expected a non-empty string"):
         eng.generate([""], 4)
+    with pytest.raises(InvalidArgumentError, match=r"prompts\[1\]: expected a request that fits the block budget"):
+        eng.generate(["fine", "word " * 2000], 4)  # the first is valid: nothing may be queued either
     assert not eng.has_work() and not eng.requests
     bare = Engine(ck.model, EngineConfig(mode="native", num_blocks=64))
     with pytest.raises(InvalidArgumentError, match="no tokenizer"):
@@ -138,7 +140,7 @@ def _prefill_victims(ck, policy, prompt, ratio=0.5, window=8):
                                         policy_config=policy_config(policy, ratio, window=window, at="prefill")),
                  record_trace=True)
     eng.generate([prompt], 4)
-    dec = [d for d in eng.trace.decisions if len(d.token_ids)]
+    dec = eng.trace.decisions
     assert len(dec) == 1 and dec[0].step == len(prompt)  # one decision, when the prompt completed; none after
     return np.asarray(dec[0].token_ids)
 
@@ -187,3 +189,28 @@ def test_default_settings_never_wreck_the_text_and_the_old_ones_did(ck):
                  tokenizer=ck.tokenizer)
     broken = [degenerate(r.text, r.output) for r in eng.generate(prompts, ANSWER)]
     assert any(broken), "expected the sinkless config to degenerate at least one answer"
+
+
+# ----------------------------------------------------------------------------- the CLI on the real model
+def test_demo_and_quality_json_on_the_real_model(ck, capsys):
+    import json
+
+    from vtoken.cli import main
+
+    # the CLI loads through the same cache as the fixture did ($VTOKEN_CACHE or ~/.cache/vtoken): no fetch again
+    assert main(["demo", "--model", "smollm2", "--requests", "2", "--output-len", "8", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["identical"] is True and got["modes"]["vtoken"]["identical"] is True
+    for mode in ("native", "naive", "vtoken"):
+        texts = got["modes"][mode]["texts"]
+        assert len(texts) == 2 and all(isinstance(t, str) and t for t in texts)
+    assert got["prompts"][0] == shipped_prompts()[0][0]["content"]
+    assert main(["quality", "--policies", "h2o,snapkv", "--ratios", "0.5", "--prompt", "Name three rivers in Europe.",
+                 "--max-new-tokens", "8", "--window", "8", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    rows = {(r["policy"], r["at"]): r for r in got["rows"]}
+    assert set(rows) == {("h2o", "prefill"), ("h2o", "decode"), ("snapkv", "prefill")}  # SnapKV: prefill only
+    assert got["naive_vs_vtoken_identical"] is True
+    for r in rows.values():
+        assert r["naive_vs_vtoken_tokens"] == 0 and 0 <= r["exact_match"] <= 1 and 0 <= r["rouge_l"] <= 1
+        assert r["evicted_tokens"] > 0

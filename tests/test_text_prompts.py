@@ -63,12 +63,17 @@ def test_quality_metrics_by_their_definitions():
 
 
 def test_every_policy_protects_four_sinks_by_default_and_a_low_cap_is_raised_with_a_warning():
+    rng = np.random.default_rng(0)
+    ids = np.arange(200)
     for name in policies.available():
-        p = policies.get(name, budget=0.5) if name != "streamingllm" else policies.get(name)
+        p = policies.get(name, budget=0.5, window=8)
         assert p.sink == 4, name
-        v = p.view(0, 0, np.arange(200), num_new=1, scores=None)
-        if p.score_source == "none":
-            assert not np.isin(p.select_victims(v), np.arange(4)).any(), name
+        acc = p.make_accumulator()
+        if acc is not None:  # the sinks get the LOWEST scores: only protection keeps them
+            acc.update(ids, np.where(ids < 4, 0.0, rng.random(200) + 1.0))
+        votes = np.where(ids < 4, 0.0, rng.random(200) + 1.0) if p.score_source == "window" else None
+        victims = p.select_victims(p.view(0, 0, ids, num_new=1, scores=acc, window_scores=votes))
+        assert victims.size > 0 and not np.isin(victims, np.arange(4)).any(), name
     with pytest.warns(policies.BudgetRaisedWarning, match=r"cap 10 < sink \+ window = 36; raised to 36"):
         p = policies.get("h2o", budget=10)
     assert p.budget.cap == 36

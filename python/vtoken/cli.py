@@ -384,14 +384,14 @@ def _add_quality(sub) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="weights seed of a random preset (unused by a checkpoint)")
     add_model_args(p, prompts=True)
-    p.set_defaults(model=d.model.path)
     add_output_args(p)
     p.set_defaults(func=_run_quality, parser=p)
 
 
 def _run_quality(args) -> int:
     from vtoken.experiments import common
-    from vtoken.experiments.quality import QualityConfig, format_quality, num_runs, plot_quality, run_quality
+    from vtoken.experiments.quality import (DEFAULT_MODEL, QualityConfig, format_quality, num_runs, plot_quality,
+                                            run_quality)
 
     def items(text):
         return tuple(x.strip() for x in text.split(",") if x.strip())
@@ -403,8 +403,8 @@ def _run_quality(args) -> int:
         except ValueError:
             raise common.InvalidArgumentError(f"ratios: expected comma-separated numbers, got {args.ratios!r}") \
                 from None
-        if args.model_path is not None:
-            args.model = None  # --model-path replaces the default checkpoint
+        if args.model is None and args.model_path is None:
+            args.model = DEFAULT_MODEL
         cfg = QualityConfig(policies=items(args.policies), ratios=ratios, at=items(args.at),
                             max_new_tokens=args.max_new_tokens, window=args.window, sink=args.sink,
                             block_size=args.block_size, prompts=common.prompt_texts(args),

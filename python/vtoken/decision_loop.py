@@ -64,7 +64,7 @@ class StepMeta:
     reqs: list
     generations: np.ndarray
     seq_lens: np.ndarray
-    done: np.ndarray  # bool: the request finished this step (decided nothing)
+    done: np.ndarray  # bool: the request decided nothing this step (finished, mid-prompt, or not its step)
 
     @property
     def num_reqs(self) -> int:
@@ -182,9 +182,9 @@ class DecisionLoop:
         self.token_mass[size] = 0
 
     # ------------------------------------------------------------------ device side
-    def _stage(self, n: int, seq_lens, num_new, reqs, done, window, defer) -> None:
+    def _stage(self, n: int, seq_lens, num_new, reqs, skip, window, defer) -> None:
         """The step's per-request arguments into the fixed device buffer ``_args`` (one async H2D copy)."""
-        budget = np.where(done | defer, _NO_BUDGET, self.policy.budget.resolve_many(seq_lens))
+        budget = np.where(skip | defer, _NO_BUDGET, self.policy.budget.resolve_many(seq_lens))
         seeds = self._seeds(reqs) if self._keyed else 0
         host = np.zeros((_NUM_ARGS, self.max_reqs), dtype=np.int64)  # zeros past n: padding requests evict nothing
         host[0, :n], host[1, :n], host[2, :n], host[3, :n], host[4, :n] = seq_lens, num_new, budget, seq_lens, seeds
@@ -239,17 +239,19 @@ class DecisionLoop:
             reqs, slot_lists, seq_lens, num_new, done, defer, prompt_done, window_scores)
         n = len(reqs)
         decides, num_new = self.policy.decision_plan(num_new, prompt_done)
-        done = done | ~decides  # a request that does not decide this step evicts nothing, as a finished one
-        if window_scores is not None:  # SnapKV decides once: its record holds every possible victim
+        skip = done | ~decides  # finished, or not deciding this step: evicts nothing
+        # A one-time decision (SnapKV's window, any at="prefill" compression) has no later step to take
+        # what a full record defers: its record holds every possible victim.
+        if window_scores is not None or (self.policy.at == "prefill" and not skip.all()):
             if self.ring.grow(min_victims=int(slot_lists.kv_indptr_host[n])):
                 self._graphs.invalidate()
-        self._stage(n, seq_lens, num_new, reqs, done, np.full(n, window_scores is not None, dtype=np.int64), defer)
+        self._stage(n, seq_lens, num_new, reqs, skip, np.full(n, window_scores is not None, dtype=np.int64), defer)
         self.mirror.flush()  # pending host deltas land first (never inside a captured graph)
         if self.cuda_graph and window_scores is None:
             self._graphs.run(self, slot_lists, n)
         else:
             self._device_step(slot_lists, n, window_scores)
-        meta = StepMeta(self.steps, reqs, self._generations(reqs), seq_lens.copy(), done | defer)
+        meta = StepMeta(self.steps, reqs, self._generations(reqs), seq_lens.copy(), skip | defer)
         self.ring.ship(meta)
         self.steps += 1
 

@@ -26,7 +26,8 @@ from typing import Any, Optional
 from vtoken.checkpoints.fetch import KNOWN, cache_dir, fetch, known
 from vtoken.errors import InvalidArgumentError
 
-_STAMP = "vtoken-export.json"  # written last into a cached export: which GGUF it came from
+_STAMP = "vtoken-export.json"  # written last into a cached export: which GGUF, which exporter
+EXPORT_VERSION = 1  # bump when export_hf's output changes: older cached exports are then redone
 
 
 @dataclass
@@ -50,15 +51,16 @@ def exported_dir(name: str, *, cache: Optional[str] = None, progress=None) -> st
     stamp = os.path.join(target, _STAMP)
     if os.path.isfile(stamp):
         with open(stamp) as f:
-            if json.load(f).get("sha256") == ck.sha256:
-                return target
+            stamped = json.load(f)
+        if stamped.get("sha256") == ck.sha256 and stamped.get("export_version") == EXPORT_VERSION:
+            return target
     if progress is not None:
         progress.write(f"exporting {ck.filename} to {target} (once)\n")
     tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".hf-")
     try:
         export_hf(gguf_path, tmp)
         with open(os.path.join(tmp, _STAMP), "w") as f:
-            json.dump({"sha256": ck.sha256, "source": ck.filename}, f)
+            json.dump({"sha256": ck.sha256, "source": ck.filename, "export_version": EXPORT_VERSION}, f)
         shutil.rmtree(target, ignore_errors=True)  # a stale or partial export
         os.replace(tmp, target)
     finally:
@@ -97,16 +99,20 @@ def resolve(name_or_path: str, *, cache: Optional[str] = None, progress=None) ->
     return name_or_path
 
 
-def load(name_or_path: str, *, device="cpu", dtype=None, cache: Optional[str] = None, progress=None) -> Checkpoint:
-    """Model, tokenizer and end-of-sequence id of a known name, a ``.gguf`` file or an HF directory."""
+def load(name_or_path: str, *, device="cpu", dtype=None, cache: Optional[str] = None, progress=None,
+         tokenizer: bool = True) -> Checkpoint:
+    """Model, tokenizer and end-of-sequence id of a known name, a ``.gguf`` file or an HF directory
+    (``tokenizer=False``: no tokenizer, which saves a GGUF's 15 s conversion when only the model is needed)."""
     from vtoken.checkpoints.tokenizer import Tokenizer
     from vtoken.engine.model import LlamaModel
 
     path = resolve(name_or_path, cache=cache, progress=progress)
-    tokenizer = Tokenizer.from_checkpoint(path)
+    tok = Tokenizer.from_checkpoint(path) if tokenizer else None
     eos = checkpoint_eos(path)
-    return Checkpoint(LlamaModel.from_pretrained(path, device=device, dtype=dtype), tokenizer,
-                      tokenizer.eos_token_id if eos is None else int(eos), path)
+    if eos is None and tok is not None:
+        eos = tok.eos_token_id
+    return Checkpoint(LlamaModel.from_pretrained(path, device=device, dtype=dtype), tok,
+                      None if eos is None else int(eos), path)
 
 
 __all__ = ["Checkpoint", "checkpoint_eos", "exported_dir", "load", "resolve"]

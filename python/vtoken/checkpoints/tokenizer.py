@@ -77,21 +77,22 @@ class Tokenizer:
             raise InvalidArgumentError(f"path: expected a checkpoint directory or a .gguf file, got {path!r}")
         return cls(AutoTokenizer.from_pretrained(path))
 
-    def encode(self, prompt: Prompt) -> np.ndarray:
-        """Token ids (int64) of a string, or of chat messages through the chat template (assistant turn open)."""
+    def encode(self, prompt: Prompt, *, arg: str = "prompt") -> np.ndarray:
+        """Token ids (int64) of a string, or of chat messages through the chat template (assistant turn open);
+        errors name ``arg``."""
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidArgumentError("prompt: expected a non-empty string, got ''")
+                raise InvalidArgumentError(f"{arg}: expected a non-empty string, got ''")
             ids = self.hf(prompt)["input_ids"]
         elif is_text_prompt(prompt):
             if getattr(self.hf, "chat_template", None) is None:
-                raise InvalidArgumentError("prompt: expected a string (this checkpoint has no chat template), "
+                raise InvalidArgumentError(f"{arg}: expected a string (this checkpoint has no chat template), "
                                            "got chat messages")
-            ids = self.hf.apply_chat_template(check_messages("prompt", prompt), add_generation_prompt=True,
+            ids = self.hf.apply_chat_template(check_messages(arg, prompt), add_generation_prompt=True,
                                               tokenize=True)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         else:
-            raise InvalidTypeError(f"prompt: expected a string or a list of chat messages, got {type(prompt).__name__}")
+            raise InvalidTypeError(f"{arg}: expected a string or a list of chat messages, got {type(prompt).__name__}")
         return np.asarray(ids, dtype=np.int64)
 
     def decode(self, ids) -> str:

@@ -69,7 +69,7 @@ from vtoken.engine.model import LlamaModel
 from vtoken.decision_loop import DecisionLoop
 from vtoken.engine.runner import ModelRunner, RunnerConfig, StepResult
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int, is_int
-from vtoken.policies import EvictionPolicy, ReplayPolicy, TraceRecorder, accumulate_batch, decision_plan
+from vtoken.policies import AT_MODES, EvictionPolicy, ReplayPolicy, TraceRecorder, accumulate_batch, decision_plan
 from vtoken.policies import get as get_policy
 from vtoken.reclaim import MODES, ReclaimConfig, ReclamationManager
 
@@ -208,10 +208,6 @@ class Engine:
             raise InvalidTypeError(f"config: expected an EngineConfig, got {type(config).__name__}")
         if tokenizer is not None and not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
             raise InvalidTypeError(f"tokenizer: expected a Tokenizer (encode/decode), got {type(tokenizer).__name__}")
-        if config.cpu_threads is not None and model.lm_head.weight.device.type == "cpu":
-            import torch
-
-            torch.set_num_threads(config.cpu_threads)
         self.config = config
         self.tokenizer = tokenizer
         self.mode = config.mode
@@ -226,7 +222,7 @@ class Engine:
             if policy is None or isinstance(policy, (TraceRecorder, ReplayPolicy)):
                 raise InvalidArgumentError("record_trace: expected a plain policy to record, got "
                                            f"{type(policy).__name__}")
-            policy = TraceRecorder(policy, meta={"mode": self.mode, "at": getattr(policy, "at", "decode")})
+            policy = TraceRecorder(policy, meta={"mode": self.mode})
         self.policy = policy if self.mode != "native" else None
         self.trace = policy if isinstance(policy, TraceRecorder) else None
         source = getattr(self.policy, "score_source", "none")
@@ -235,6 +231,9 @@ class Engine:
         decider = self.trace.policy if self.trace is not None else self.policy
         # when decisions happen (EvictionPolicy.at); a replay decides when its recording did
         self.decides_at = getattr(decider, "at", None) or getattr(decider, "meta", {}).get("at", "decode")
+        if self.decides_at not in AT_MODES:
+            raise InvalidArgumentError(f"policy: expected a trace recorded at one of {AT_MODES}, "
+                                       f"got at={self.decides_at!r}")
         on_device = config.decision == "device" and isinstance(decider, EvictionPolicy)
         self.runner = ModelRunner(model, RunnerConfig(
             num_blocks=config.num_blocks, block_size=config.block_size, layout=config.layout,
@@ -263,6 +262,10 @@ class Engine:
         self.peak_running = 0
         self.num_preemptions = 0
         self._next_id = 0
+        if config.cpu_threads is not None and self.runner.device.type == "cpu":
+            import torch
+
+            torch.set_num_threads(config.cpu_threads)  # last: a refused config changes nothing
 
     # -------------------------------------------------------------- requests
     @property
@@ -289,36 +292,41 @@ class Engine:
             config = dataclasses.replace(config, eos_token_id=ck.eos_token_id)
         return cls(ck.model, config, policy=policy, record_trace=record_trace, tokenizer=ck.tokenizer)
 
-    def encode(self, prompt) -> np.ndarray:
+    def encode(self, prompt, *, arg: str = "prompt") -> np.ndarray:
         """A prompt as token ids: ids pass through; a string or chat messages need the engine's tokenizer."""
         from vtoken.checkpoints.tokenizer import is_text_prompt
 
         if is_text_prompt(prompt):
             if self.tokenizer is None:
-                raise InvalidArgumentError("prompt: expected token ids (this engine has no tokenizer: build it with "
+                raise InvalidArgumentError(f"{arg}: expected token ids (this engine has no tokenizer: build it with "
                                            "Engine.from_pretrained or tokenizer=...), got text")
-            return self.tokenizer.encode(prompt)
-        return as_index_array("prompt", prompt, allow_empty=False)
+            return self.tokenizer.encode(prompt, arg=arg)
+        return as_index_array(arg, prompt, allow_empty=False)
 
-    def add_request(self, prompt, max_new_tokens: int, request_id: Optional[Hashable] = None) -> Hashable:
-        """Queue a request (token ids, or text / chat messages with a tokenizer); returns its id.
-        The prompt must fit one prefill and the block budget."""
-        prompt = self.encode(prompt)
+    def _checked_prompt(self, prompt, max_new_tokens, arg: str = "prompt") -> np.ndarray:
+        """``prompt`` as token ids that fit one prefill and the block budget (a typed error naming ``arg`` if not)."""
+        prompt = self.encode(prompt, arg=arg)
         check_int("max_new_tokens", max_new_tokens, min_value=1)
         vocab = self.runner.model.config.vocab_size
         if prompt.min() < 0 or prompt.max() >= vocab:
-            raise InvalidArgumentError(f"prompt: expected token ids in [0, {vocab}), got {prompt[(prompt < 0) | (prompt >= vocab)][:8].tolist()}")
+            raise InvalidArgumentError(f"{arg}: expected token ids in [0, {vocab}), got {prompt[(prompt < 0) | (prompt >= vocab)][:8].tolist()}")
         longest = len(prompt) + int(max_new_tokens) - 1  # what a recompute may have to prefill
         if longest > self.config.max_num_tokens:
             raise InvalidArgumentError(
-                f"prompt: expected len(prompt) + max_new_tokens - 1 <= max_num_tokens ({self.config.max_num_tokens}) "
+                f"{arg}: expected len(prompt) + max_new_tokens - 1 <= max_num_tokens ({self.config.max_num_tokens}) "
                 f"so a recompute fits one prefill, got {longest}"
             )
         if cdiv(longest, self.config.block_size) > self.usable_blocks:
             raise InvalidArgumentError(
-                f"prompt: expected a request that fits the block budget ({self.usable_blocks} blocks), "
+                f"{arg}: expected a request that fits the block budget ({self.usable_blocks} blocks), "
                 f"got one needing up to {cdiv(longest, self.config.block_size)}"
             )
+        return prompt
+
+    def add_request(self, prompt, max_new_tokens: int, request_id: Optional[Hashable] = None) -> Hashable:
+        """Queue a request (token ids, or text / chat messages with a tokenizer); returns its id.
+        The prompt must fit one prefill and the block budget."""
+        prompt = self._checked_prompt(prompt, max_new_tokens)
         if request_id is None:
             while self._next_id in self.requests:
                 self._next_id += 1
@@ -504,11 +512,11 @@ class Engine:
 
         if is_text_prompt(prompts):
             prompts = [prompts]
-        prompts = [self.encode(p) for p in prompts]
         n = len(prompts)
         mnt = [max_new_tokens] * n if isinstance(max_new_tokens, (int, np.integer)) else list(max_new_tokens)
         if len(mnt) != n:
             raise InvalidArgumentError(f"max_new_tokens: expected {n} values (one per prompt), got {len(mnt)}")
+        prompts = [self._checked_prompt(p, m, f"prompts[{i}]") for i, (p, m) in enumerate(zip(prompts, mnt))]
         if concurrency is not None and not (is_int(concurrency) and concurrency >= 1):
             raise InvalidArgumentError(f"concurrency: expected an int >= 1 or None, got {concurrency!r}")
         ids, submitted = [], 0

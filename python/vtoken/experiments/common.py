@@ -76,9 +76,11 @@ def check_run_options(cfg, ints: Sequence[str]) -> None:
     for name in ("window", "sink"):
         if getattr(cfg, name, None) is not None:
             check_int(name, getattr(cfg, name))
+    from vtoken.policies import AT_MODES
+
     at = getattr(cfg, "at", None)
-    if at is not None and at not in ("decode", "prefill"):
-        raise InvalidArgumentError(f"at: expected 'decode' or 'prefill', got {at!r}")
+    if at is not None and at not in AT_MODES:
+        raise InvalidArgumentError(f"at: expected one of {AT_MODES}, got {at!r}")
     for name in ints:
         check_int(name, getattr(cfg, name), min_value=1)
     check_int("seed", cfg.seed)
@@ -200,9 +202,9 @@ class ModelSpec:
 
     def build(self):
         """The :class:`~vtoken.engine.model.LlamaModel` (random weights from the preset, or the checkpoint)."""
-        return self.load()[0]
+        return self.load(tokenizer=False)[0]
 
-    def load(self) -> tuple:
+    def load(self, *, tokenizer: bool = True) -> tuple:
         """``(model, tokenizer, eos_token_id)``: a real checkpoint's (:func:`vtoken.checkpoints.load`, a known
         name fetched and cached on first use), or a random preset's model with ``(None, None)``."""
         from vtoken.engine.model import LlamaModel, ModelConfig
@@ -212,7 +214,7 @@ class ModelSpec:
         if self.path is not None:
             from vtoken.checkpoints import load
 
-            ck = load(self.path, device=device, progress=sys.stderr)
+            ck = load(self.path, device=device, progress=sys.stderr, tokenizer=tokenizer)
             return ck.model, ck.tokenizer, ck.eos_token_id
         return LlamaModel(ModelConfig(**MODEL_PRESETS[self.preset], seed=self.seed), device=device), None, None
 

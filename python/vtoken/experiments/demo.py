@@ -123,6 +123,8 @@ class DemoResult:
         modes = {m: r.to_dict() for m, r in self.modes.items()}
         for m, texts in self.texts.items():
             modes[m]["texts"] = texts
+        for m in ("naive", "vtoken"):
+            modes[m]["identical"] = self.outputs_identical  # naive vs vtoken, token for token
         return {
             "config": {"policy": c.policy, "evict_ratio": c.evict_ratio, "window": c.window, "sink": c.sink, "at": c.at,
                        "requests": c.requests, "prompt_len": c.prompt_len, "output_len": c.output_len,

@@ -52,8 +52,10 @@ from vtoken.experiments.common import (
     policy_config,
 )
 from vtoken.experiments.prompts import shipped_prompts, workload_prompts
+from vtoken.policies import AT_MODES
 
-AT = ("prefill", "decode")
+DEFAULT_MODEL = "smollm2"
+AT = tuple(reversed(AT_MODES))  # prefill first: the kvpress semantics most comparisons use
 
 
 def _all_policies() -> tuple:
@@ -72,7 +74,7 @@ class QualityConfig:
     sink: Optional[int] = None  # every policy's attention sinks (None: its default, 4)
     block_size: int = 16
     prompts: Optional[list] = None  # chat prompts; None: the shipped set
-    model: ModelSpec = field(default_factory=lambda: ModelSpec(path="smollm2"))
+    model: ModelSpec = field(default_factory=lambda: ModelSpec(path=DEFAULT_MODEL))
 
     def __post_init__(self):
         self.policies = tuple(check_policy(p) for p in self.policies)

@@ -21,8 +21,8 @@ What every policy inherits from :class:`EvictionPolicy`:
 - **Budget.** ``budget`` is a :class:`Budget`: a ratio of the request's current
   length (``seq_len``, all tokens appended so far, live or not), an absolute cap,
   or both (the smaller wins). When the live count exceeds it, ``select_victims``
-  returns exactly enough victims to come back to it (TOVA: one per step, its
-  definition), unless protection leaves too few candidates: protection wins.
+  returns exactly enough victims to come back to it (TOVA at decode: one per
+  step, its definition), unless protection leaves too few candidates: protection wins.
   ``budget=None`` means "keep only the protected tokens" (``sink + window``).
 - **Protection.** The first ``sink`` positions, the last ``window`` positions and
   the tokens of the current step (the newest ``view.num_new``) are never evicted.
@@ -506,6 +506,7 @@ class TraceRecorder:
         if policy is not None:
             self.meta.setdefault("policy", policy.name)
             self.meta.setdefault("config", policy.config())
+            self.meta.setdefault("at", policy.at)  # when it decided: a replay asks at the same steps
         self.decisions: list[Decision] = []
 
     def __len__(self) -> int:
