@@ -63,7 +63,8 @@ DEMO = ["demo", "--requests", "3", "--prompt-len", "24", "--output-len", "20", "
 def test_demo_json(capsys):
     got = run_json(capsys, *DEMO)
     assert set(got) == {"config", "model", "modes", "outputs_identical", "identical", "seconds", "prompt_lens",
-                        "prompts"}
+                        "prompts", "reclaim"}
+    assert got["reclaim"]["theta_F"] == 0.25 and got["reclaim"]["low_watermark"] == 1.0  # the run's settings
     assert got["identical"] is True and got["prompts"] is None and got["prompt_lens"] == [24] * 3  # random ids
     assert list(got["modes"]) == ["native", "naive", "vtoken"]
     assert set(got["modes"]["native"]) == MODE_KEYS
@@ -125,7 +126,8 @@ def test_retained_json_all_policies(capsys):
     from vtoken.policies import available
 
     got = run_json(capsys, "retained", "--requests", "2", "--prompt-len", "24", "--output-len", "20", *TINY[:4])
-    assert set(got) == {"config", "model", "policies", "seconds"}
+    assert set(got) == {"config", "model", "policies", "seconds", "reclaim"}
+    assert got["reclaim"]["low_watermark"] == 1.0 and got["reclaim"]["mode"] == "vtoken"  # what the run used
     assert sorted(got["policies"]) == available()  # all six
     for name, row in got["policies"].items():
         nv, vt = row["naive"], row["vtoken"]
@@ -146,7 +148,7 @@ def test_retained_json_all_policies(capsys):
 def test_sla_json(capsys):
     got = run_json(capsys, "sla", "--concurrency", "1,2,4", "--sla-concurrency", "2", "--rounds", "1",
                    "--prompt-len", "16", "--output-len", "12", "--num-blocks", "24", *TINY)
-    assert set(got) == {"config", "model", "points", "sla_p95_token_latency_s", "best_under_sla",
+    assert set(got) == {"config", "model", "points", "sla_p95_token_latency_s", "best_under_sla", "reclaim",
                         "vtoken_over_naive", "seconds"}
     ref = next(p for p in got["points"]["naive"] if p["concurrency"] == 2)
     sla = got["sla_p95_token_latency_s"]

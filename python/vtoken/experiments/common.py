@@ -290,6 +290,16 @@ def resident_engine_config(cfg, num_blocks: int, reclaim: dict) -> dict:
                 reclaim=reclaim)
 
 
+def reclaim_json(reclaim: Optional[dict] = None) -> dict:
+    """Every field of the :class:`~vtoken.reclaim.ReclaimConfig` vtoken mode runs with, given ``reclaim``'s
+    overrides (what an experiment's JSON records, so a number always comes with the settings behind it)."""
+    import dataclasses
+
+    from vtoken.reclaim import ReclaimConfig
+
+    return dataclasses.asdict(ReclaimConfig(**{**(reclaim or {}), "mode": "vtoken"}))
+
+
 def headroom_blocks(num_blocks: int) -> int:
     """The vtoken headroom reserve of a pool of ``num_blocks`` (null block included), in blocks."""
     from vtoken.reclaim import ReclaimConfig

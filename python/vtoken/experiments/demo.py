@@ -40,6 +40,7 @@ from typing import Optional
 
 from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import (
+    reclaim_json,
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
@@ -135,6 +136,7 @@ class DemoResult:
             "modes": modes,
             "outputs_identical": self.outputs_identical,
             "identical": self.outputs_identical,  # naive vs vtoken, token for token (texts included)
+            "reclaim": reclaim_json(dict(EAGER_RECLAIM, theta_F=float(c.theta_f))),  # the vtoken mode's reclamation settings
             "seconds": self.seconds,
         }
 

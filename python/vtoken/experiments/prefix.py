@@ -49,6 +49,7 @@ from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError
 from vtoken.policies import decision_plan
 from vtoken.experiments.common import (
+    reclaim_json,
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
@@ -121,6 +122,7 @@ class PrefixResult:
                        "window": c.window, "sink": c.sink, "at": c.at, "seed": c.seed},
             "model": self.model,
             "degrees": self.rows,
+            "reclaim": reclaim_json(EAGER_RECLAIM),  # the vtoken mode's reclamation settings
             "seconds": self.seconds,
         }
 

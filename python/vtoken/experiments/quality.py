@@ -41,6 +41,7 @@ import numpy as np
 from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import (
+    reclaim_json,
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
@@ -167,6 +168,7 @@ class QualityResult:
             "model": self.model, "num_prompts": self.num_prompts, "prompt_tokens": self.prompt_tokens,
             "native_tokens": self.native_tokens, "rows": [r.to_dict() for r in self.rows],
             "naive_vs_vtoken_identical": all(r.naive_vs_vtoken_tokens == 0 for r in self.rows),
+            "reclaim": reclaim_json(EAGER_RECLAIM),  # the vtoken mode's reclamation settings
             "seconds": self.seconds,
         }
 

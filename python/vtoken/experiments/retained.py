@@ -24,6 +24,7 @@ from typing import Optional
 
 from vtoken.errors import InvalidArgumentError
 from vtoken.experiments.common import (
+    reclaim_json,
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
@@ -99,6 +100,7 @@ class RetainedResult:
                        "block_size": c.block_size, "num_blocks": self.num_blocks or c.num_blocks, "seed": c.seed},
             "model": self.model,
             "policies": self.rows,
+            "reclaim": reclaim_json(EAGER_RECLAIM),  # the vtoken mode's reclamation settings
             "seconds": self.seconds,
         }
 

@@ -45,6 +45,7 @@ import numpy as np
 
 from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import (
+    reclaim_json,
     ModelSpec,
     Progress,
     check_kv_cache,
@@ -153,6 +154,7 @@ class SlaResult:
             "sla_p95_token_latency_s": self.sla_s,
             "best_under_sla": self.best,
             "vtoken_over_naive": (vt["throughput_tok_s"] / nv["throughput_tok_s"]) if nv and vt else None,
+            "reclaim": reclaim_json(),  # the vtoken mode's reclamation settings
             "seconds": self.seconds,
         }
 
