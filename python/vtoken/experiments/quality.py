@@ -254,10 +254,10 @@ def plot_quality(res: QualityResult, path: str, plt) -> None:
     ats = list(res.config.at)
     fig, axes = plt.subplots(1, len(ats), figsize=(5.2 * len(ats), 3.6), squeeze=False)
     for ax, at in zip(axes[0], ats):
-        for policy in res.config.policies:
+        for i, policy in enumerate(res.config.policies):
             pts = [(r.evict_ratio, r.rouge_l) for r in res.rows if r.policy == policy and r.at == at]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=policy)
+            if pts:  # one color per policy in every panel
+                ax.plot(*zip(*pts), marker="o", label=policy, color=f"C{i}")
         ax.set_title(f"at={at}", fontsize=10)
         ax.set_xlabel("evict ratio")
         ax.set_ylabel("ROUGE-L F1 vs full KV")
