@@ -282,12 +282,14 @@ def supported_at(name: str, at: Optional[str]) -> Optional[str]:
     return at if at is None or at in type(get(name)).at_modes else None
 
 
-def resident_engine_config(cfg, num_blocks: int, reclaim: dict) -> dict:
-    """The :class:`~vtoken.engine.scheduler.EngineConfig` fields of a paired run that keeps all
-    ``cfg.requests`` requests (``cfg.prompt_len`` + ``cfg.output_len`` tokens each) resident at once."""
-    return dict(num_blocks=num_blocks, block_size=cfg.block_size, max_num_reqs=cfg.requests,
-                max_num_tokens=max(cfg.requests * cfg.prompt_len, cfg.prompt_len + cfg.output_len),
-                reclaim=reclaim)
+def resident_engine_config(prompts: Sequence, output_len: int, *, num_blocks: int, block_size: int,
+                           reclaim: dict, **extra) -> dict:
+    """The :class:`~vtoken.engine.scheduler.EngineConfig` fields of a paired run that keeps every one of
+    ``prompts`` (token arrays) resident at once: all prefilled in one step, and a recompute of the longest
+    (prompt + ``output_len``) fitting one prefill. ``extra``: further fields (e.g. ``eos_token_id``)."""
+    lens = [len(p) for p in prompts]
+    return dict(num_blocks=num_blocks, block_size=block_size, max_num_reqs=len(prompts),
+                max_num_tokens=max(sum(lens), max(lens) + output_len), reclaim=reclaim, **extra)
 
 
 def reclaim_json(reclaim: Optional[dict] = None) -> dict:

@@ -40,7 +40,6 @@ from typing import Optional
 
 from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import (
-    reclaim_json,
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
@@ -48,14 +47,16 @@ from vtoken.experiments.common import (
     check_policy,
     check_pool,
     check_run_options,
+    fit_num_blocks,
     full_blocks,
     headroom_blocks,
-    fit_num_blocks,
     paired_run,
     policy_config,
+    reclaim_json,
+    resident_engine_config,
     warm_up,
 )
-from vtoken.experiments.prompts import shipped_prompts, workload_prompts
+from vtoken.experiments.prompts import workload_prompts, workload_texts
 
 MODES = ("native", "naive", "vtoken")
 DEFAULT_NUM_BLOCKS = 256
@@ -154,9 +155,8 @@ def run_demo(cfg: DemoConfig, *, progress: Optional[Progress] = None) -> DemoRes
     check_kv_cache("num_blocks", num_blocks, model, num_blocks, cfg.block_size)
     # NOTE: every request generates output_len tokens (a benchmark's ignore-eos: the requests stay in
     # lockstep, so peak/req means what the table says); the texts are cut at the end-of-sequence token.
-    engine_cfg = dict(num_blocks=num_blocks, block_size=cfg.block_size, max_num_reqs=cfg.requests,
-                      max_num_tokens=max(sum(lens), max(lens) + cfg.output_len),
-                      reclaim=dict(EAGER_RECLAIM, theta_F=float(cfg.theta_f)))
+    engine_cfg = resident_engine_config(prompts, cfg.output_len, num_blocks=num_blocks, block_size=cfg.block_size,
+                                        reclaim=dict(EAGER_RECLAIM, theta_F=float(cfg.theta_f)))
     warm_up(model, engine_cfg, max(lens))
     runs = paired_run(model, prompts, cfg.output_len, modes=MODES, policy=cfg.policy,
                       policy_cfg=policy_config(cfg.policy, cfg.evict_ratio, cfg.window, cfg.sink, cfg.at),
@@ -165,8 +165,7 @@ def run_demo(cfg: DemoConfig, *, progress: Optional[Progress] = None) -> DemoRes
     texts, users = {}, None
     if tokenizer is not None:
         texts = {m: [tokenizer.decode(o) for o in r.outputs] for m, r in runs.items()}
-        chats = list(shipped_prompts() if cfg.prompts is None else cfg.prompts)
-        users = [chats[i % len(chats)][-1]["content"] for i in range(cfg.requests)]
+        users = [chat[-1]["content"] for chat in workload_texts(cfg.prompts, cfg.requests)]
     return DemoResult(cfg, cfg.model.describe(model), runs, same, time.perf_counter() - t0, num_blocks, lens, users,
                       texts)
 

@@ -86,6 +86,12 @@ def workload_prompts(n: int, *, tokenizer=None, texts: Optional[Sequence] = None
     if tokenizer is None:
         rng = np.random.default_rng(seed)
         return [rng.integers(0, vocab_size, length, dtype=np.int64) for _ in range(n)]
-    texts = list(shipped_prompts() if texts is None else texts)
-    encoded = [tokenizer.encode(t) for t in texts]
+    encoded = [tokenizer.encode(t) for t in workload_texts(texts)]
     return [encoded[i % len(encoded)] for i in range(n)]
+
+
+def workload_texts(texts: Optional[Sequence] = None, n: Optional[int] = None) -> list:
+    """The chat prompts a real model serves (``texts``, or the shipped set), cycled to ``n`` when given:
+    the texts behind :func:`workload_prompts`' ids, in the same order."""
+    texts = list(shipped_prompts() if texts is None else texts)
+    return texts if n is None else [texts[i % len(texts)] for i in range(n)]

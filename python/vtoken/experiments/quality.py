@@ -38,10 +38,8 @@ from typing import Optional
 
 import numpy as np
 
-from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import (
-    reclaim_json,
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
@@ -49,10 +47,13 @@ from vtoken.experiments.common import (
     check_policy,
     check_ratio,
     fit_num_blocks,
+    full_blocks,
     paired_run,
     policy_config,
+    reclaim_json,
+    resident_engine_config,
 )
-from vtoken.experiments.prompts import shipped_prompts, workload_prompts
+from vtoken.experiments.prompts import workload_prompts, workload_texts
 from vtoken.policies import AT_MODES
 
 DEFAULT_MODEL = "smollm2"
@@ -184,16 +185,13 @@ def run_quality(cfg: QualityConfig, *, progress: Optional[Progress] = None) -> Q
 
     t0 = time.perf_counter()
     model, tokenizer, eos = cfg.model.load()
-    texts = list(shipped_prompts() if cfg.prompts is None else cfg.prompts)
+    texts = workload_texts(cfg.prompts)
     prompts = workload_prompts(len(texts), tokenizer=tokenizer, texts=texts)
     lens = [len(p) for p in prompts]
-    S = cfg.block_size
-    per_request = max(cdiv(n + cfg.max_new_tokens - 1, S) for n in lens)
-    num_blocks = fit_num_blocks(len(prompts), per_request)
-    check_kv_cache("block_size", cfg.block_size, model, num_blocks, S)
-    engine_cfg = dict(num_blocks=num_blocks, block_size=S, max_num_reqs=len(prompts),
-                      max_num_tokens=max(sum(lens), max(lens) + cfg.max_new_tokens), eos_token_id=eos,
-                      reclaim=dict(EAGER_RECLAIM))
+    num_blocks = fit_num_blocks(len(prompts), full_blocks(max(lens), cfg.max_new_tokens, cfg.block_size))
+    check_kv_cache("block_size", cfg.block_size, model, num_blocks, cfg.block_size)
+    engine_cfg = resident_engine_config(prompts, cfg.max_new_tokens, num_blocks=num_blocks,
+                                        block_size=cfg.block_size, reclaim=dict(EAGER_RECLAIM), eos_token_id=eos)
     native = [list(r.output) for r in Engine(model, EngineConfig(mode="native", **engine_cfg)).generate(
         prompts, cfg.max_new_tokens)]
     native_text = [tokenizer.decode(o) for o in native]

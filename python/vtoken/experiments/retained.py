@@ -24,7 +24,6 @@ from typing import Optional
 
 from vtoken.errors import InvalidArgumentError
 from vtoken.experiments.common import (
-    reclaim_json,
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
@@ -36,6 +35,8 @@ from vtoken.experiments.common import (
     full_blocks,
     paired_run,
     policy_config,
+    reclaim_json,
+    resident_engine_config,
     supported_at,
     warm_up,
 )
@@ -113,8 +114,8 @@ def run_retained(cfg: RetainedConfig, *, progress: Optional[Progress] = None) ->
     lens = [len(p) for p in prompts]
     num_blocks = fit_num_blocks(cfg.requests, full_blocks(max(lens), cfg.output_len, cfg.block_size))
     check_kv_cache("requests", cfg.requests, model, num_blocks, cfg.block_size)
-    engine_cfg = dict(num_blocks=num_blocks, block_size=cfg.block_size, max_num_reqs=cfg.requests,
-                      max_num_tokens=max(sum(lens), max(lens) + cfg.output_len), reclaim=dict(EAGER_RECLAIM))
+    engine_cfg = resident_engine_config(prompts, cfg.output_len, num_blocks=num_blocks, block_size=cfg.block_size,
+                                        reclaim=dict(EAGER_RECLAIM))
     warm_up(model, engine_cfg, max(lens))
     rows = {}
     for name in cfg.policies:
