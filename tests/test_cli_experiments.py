@@ -25,9 +25,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from vtoken.cli import main
+from vtoken.errors import InvalidArgumentError
 from vtoken.experiments.common import Progress, full_blocks, headroom_blocks
 
 # Tiny sizes: block size 4 and a 4-token window, so the policies evict within a few dozen tokens.
@@ -178,6 +180,87 @@ def test_sla_reference_concurrency_must_be_swept(capsys):
         main(["sla", "--concurrency", "1,2", "--sla-concurrency", "8"])
     assert e.value.code == 2
     assert "sla_concurrency: expected one of the swept concurrencies [1, 2]" in capsys.readouterr().err
+
+
+def test_token_times_by_hand():
+    """The metrics both sla runs share, from step boundaries: request a submitted at 0, tokens at 1, 2, 4;
+    request b submitted at 2, tokens at 3, 4."""
+    from types import SimpleNamespace
+
+    from vtoken.experiments.sla import token_times
+
+    eng = SimpleNamespace(marks=[None] * 5, first_steps=[(0, 1), (2, 3)], gap_steps=[(1, 2), (2, 4), (3, 4)])
+    t = [10.0, 11.0, 13.0, 14.0, 18.0]
+    got = token_times(eng, t, prefix="x_")
+    gaps, ttfts = [2.0, 5.0, 4.0], [1.0, 1.0]
+    assert got == {"x_seconds": 8.0, "x_throughput_tok_s": 5 / 8.0,
+                   "x_p95_token_latency_s": pytest.approx(float(np.percentile(gaps, 95)), rel=1e-15),
+                   "x_mean_token_latency_s": pytest.approx(11.0 / 3, rel=1e-15),
+                   "x_p95_ttft_s": pytest.approx(float(np.percentile(ttfts, 95)), rel=1e-15)}
+    with pytest.raises(InvalidArgumentError, match="times"):
+        token_times(eng, t[:4])
+
+
+# --------------------------------------------------------------------------- sla, modeled H200
+MODELED = ["sla", "--cost-model", "h200", "--concurrency", "1,2,4", "--sla-concurrency", "2", "--rounds", "1",
+           "--prompt-len", "16", "--output-len", "12", "--num-blocks", "24", "--block-size", "4", "--window", "4"]
+MODELED_TIMES = ("seconds", "throughput_tok_s", "p95_token_latency_s", "mean_token_latency_s", "p95_ttft_s")
+
+
+def test_sla_modeled_h200_json(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sla.png"
+    got = run_json(capsys, *MODELED, "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert got["modeled"] is True and got["cost_model"] == "h200" and "modeled H200" in got["title"]
+    assert list(got["shapes"]) == ["llama-8b", "mistral-7b"] and got["paper_up_to"] == 1.37
+    for sr in got["shapes"].values():
+        ref = next(p for p in sr["points"]["naive"] if p["concurrency"] == 2)
+        sla = sr["modeled_sla_p95_token_latency_s"]
+        assert sla == pytest.approx(1.05 * ref["modeled_p95_token_latency_s"], rel=1e-12)
+        for mode, pts in sr["points"].items():
+            assert [p["concurrency"] for p in pts] == [1, 2, 4]
+            for p in pts:
+                assert not {k for k in MODELED_TIMES if k in p}  # every time field says modeled
+                assert p["generated_tokens"] == 12 * p["requests"] and p["peak_blocks"] <= 23
+                assert p["modeled_throughput_tok_s"] == pytest.approx(p["generated_tokens"] / p["modeled_seconds"])
+            ok = [p for p in pts if p["modeled_p95_token_latency_s"] <= sla]
+            top = max(ok, key=lambda p: p["modeled_throughput_tok_s"]) if ok else None
+            assert sr["best_under_sla"][mode] == (top and {k: top[k] for k in (
+                "concurrency", "modeled_throughput_tok_s", "modeled_p95_token_latency_s")})
+        best = {m: b["modeled_throughput_tok_s"] for m, b in sr["best_under_sla"].items() if b}
+        if "naive" in best and "vtoken" in best:
+            assert sr["vtoken_over_naive"] == pytest.approx(best["vtoken"] / best["naive"], rel=1e-12)
+        assert sr["points"]["native"][2]["preemptions"] > 0  # 4 requests x up to 7 blocks do not fit 23
+    # one engine run serves both shapes: the same schedule on two clocks (llama's larger LM head is slower)
+    llama, mistral = got["shapes"]["llama-8b"]["points"], got["shapes"]["mistral-7b"]["points"]
+    for mode in llama:
+        for a, b in zip(llama[mode], mistral[mode]):
+            assert {k: v for k, v in a.items() if not k.startswith("modeled_") and k != "host_seconds"} == \
+                {k: v for k, v in b.items() if not k.startswith("modeled_") and k != "host_seconds"}
+            assert a["modeled_seconds"] > b["modeled_seconds"]
+
+
+def test_sla_modeled_h200_table_says_modeled(capsys):
+    assert main([*MODELED, "--shape", "mistral-7b"]) == 0
+    out = capsys.readouterr().out
+    assert "mistral-7b (modeled H200)" in out and "llama-8b" not in out and "modeled tok/s" in out
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["sla", "--cost-model", "h200", "--model", "smollm2"], "model: expected none with --cost-model h200"),
+    (["sla", "--cost-model", "h200", "--device", "cpu"], "device: expected none with --cost-model h200"),
+    (["sla", "--shape", "llama-8b"], "shape: expected --cost-model h200 with it"),
+    (["sla", "--memory-utilization", "0.9"], "memory_utilization: expected --cost-model h200 with it"),
+    (["sla", "--cost-model", "h200", "--num-blocks", "24", "--memory-utilization", "0.9"],
+     "memory_utilization: expected --num-blocks or --memory-utilization, got both"),
+    (["sla", "--cost-model", "h200", "--memory-utilization", "1.5"], "memory_utilization: expected a value in (0, 1]"),
+    (["sla", "--cost-model", "h200", "--memory-utilization", "0.1"], "memory_utilization: expected room for"),
+    (["sla", "--cost-model", "h200", "--concurrency", "1,2"], "sla_concurrency: expected one of the swept"),
+    (["sla", "--cost-model", "h200", "--num-blocks", "1"], "num_blocks: expected an int >= 2"),
+])
+def test_sla_modeled_bad_options_name_the_argument(capsys, argv, line):
+    assert line in exit_2_line(capsys, argv)
 
 
 # --------------------------------------------------------------------------------------- prefix

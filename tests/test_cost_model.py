@@ -7,7 +7,8 @@ import pytest
 
 from vtoken.errors import InvalidArgumentError
 from vtoken.experiments import cost_model
-from vtoken.experiments.cost_model import H200Roofline, ModelShape
+from vtoken.errors import InvalidTypeError
+from vtoken.experiments.cost_model import H200Roofline, ModelShape, ModeledClock
 
 
 def test_the_shapes_have_their_published_parameter_counts():
@@ -48,6 +49,56 @@ def test_bad_parameters_are_refused_by_name(kw, match):
         H200Roofline(**kw)
     with pytest.raises(InvalidArgumentError, match="num_heads"):
         ModelShape("bad", 1, 8, 8, 3, 2, 4, 10)
+
+
+TOY = ModelShape("toy", num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
+                 head_dim=4, vocab_size=10)
+
+
+def test_a_mixed_step_is_one_roofline_over_every_request():
+    r = H200Roofline(hbm_bandwidth=1000.0, flops_rate=1e6, mfu=0.5, step_overhead=0.25)
+    # a chunk of 4 new tokens after 6 live ones, and two decodes attending 9 and 2 tokens before theirs
+    got = r.batch_seconds(TOY, [6, 9, 2], [4, 1, 1])
+    pairs = (4 * 6 + 4 * 5 // 2) + (9 + 1) + (2 + 1)
+    want = r.step_seconds(TOY, new_tokens=6, kv_tokens_read=6 + 9 + 2, attended_pairs=pairs)
+    assert got == want
+    assert r.batch_seconds(TOY, [9, 2], [1, 1]) == r.decode_seconds(TOY, [10, 3])
+    assert r.batch_seconds(TOY, [6, 0], [4, 3]) == r.prefill_seconds(TOY, [(6, 4), (0, 3)])
+    assert r.batch_seconds(TOY, [], []) == 0.0  # no request, no step
+
+
+def test_kv_blocks_is_what_vllm_leaves_for_the_cache():
+    r = H200Roofline(hbm_bytes=1e6)
+    weights = TOY.params * 2
+    per_block = TOY.kv_bytes_per_token * 4
+    assert r.kv_blocks(TOY, 4, memory_utilization=0.5) == int((0.5e6 - weights) // per_block)
+    assert H200Roofline().kv_blocks(ModelShape.llama_8b(), 16) == int((0.9 * 141e9 - 8_030_261_248 * 2) // 2**21)
+
+
+@pytest.mark.parametrize("call, err, match", [
+    (lambda r: r.batch_seconds(TOY, [1, 2], [1]), InvalidArgumentError, "new"),
+    (lambda r: r.batch_seconds(TOY, [1], [0]), InvalidArgumentError, "new"),
+    (lambda r: r.batch_seconds(TOY, [-1], [1]), InvalidArgumentError, "past"),
+    (lambda r: r.decode_seconds(TOY, [0]), InvalidArgumentError, "live_tokens"),
+    (lambda r: r.kv_blocks(TOY, 4, memory_utilization=0.0), InvalidArgumentError, "memory_utilization"),
+    (lambda r: r.kv_blocks(ModelShape.llama_8b(), 16, memory_utilization=0.1), InvalidArgumentError,
+     "memory_utilization"),
+    (lambda r: r.kv_blocks(TOY, 0), InvalidArgumentError, "block_size"),
+    (lambda r: ModeledClock("llama"), InvalidTypeError, "shape"),
+    (lambda r: ModeledClock(TOY, roofline={}), InvalidTypeError, "roofline"),
+])
+def test_bad_step_arguments_are_refused_by_name(call, err, match):
+    with pytest.raises(err, match=match):
+        call(H200Roofline())
+
+
+def test_a_modeled_clock_adds_up_its_steps():
+    r = H200Roofline(hbm_bandwidth=1000.0, flops_rate=1e6, mfu=0.5, step_overhead=0.25)
+    clock = ModeledClock(TOY, r)
+    steps = [([0, 0], [3, 5]), ([3, 5], [1, 1]), ([4, 6], [1, 1])]
+    dts = [clock.advance(p, n) for p, n in steps]
+    assert dts == [r.batch_seconds(TOY, p, n) for p, n in steps]
+    assert clock.now == dts[0] + dts[1] + dts[2] and clock.steps == 3
 
 
 def test_docstring_example_runs():

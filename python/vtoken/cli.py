@@ -150,47 +150,104 @@ def _run_retained(args) -> int:
 def _add_sla(sub) -> None:
     from vtoken.experiments.common import add_model_args, add_output_args, add_workload_args
     from vtoken.experiments.sla import SlaConfig
+    from vtoken.experiments.sla_modeled import SHAPES, ModeledSlaConfig
 
-    d = SlaConfig()
+    d, m = SlaConfig(), ModeledSlaConfig()
     p = sub.add_parser(
         "sla",
         help="closed-loop concurrency sweep: throughput and p95 per-token latency per mode (Figure 8)",
         description="Serve rounds x C requests closed-loop at each concurrency C under a fixed block budget in "
         "native, naive and vtoken modes; report throughput and p95 per-token latency, and each mode's best "
-        "throughput whose p95 stays within sla-factor x naive's p95 at C = sla-concurrency.",
+        "throughput whose p95 stays within sla-factor x naive's p95 at C = sla-concurrency. With --cost-model "
+        "h200 the engine runs without a model forward and its clock is an H200 roofline of each step (modeled "
+        "H200): the scheduling, memory and decisions are real, only the time is modeled.",
     )
-    add_workload_args(p, d)
-    p.add_argument("--concurrency", default=",".join(map(str, d.concurrency)),
-                   help="comma-separated concurrencies to sweep (default %(default)s)")
+    add_workload_args(p, d, prompt_len=False, output_len=False)
+
+    def both(field: str, fmt=str) -> str:  # "(default X; with --cost-model h200: Y)"
+        return (f"(default {fmt(getattr(d, field))}; with --cost-model h200: "
+                f"{fmt(getattr(m, field))})")
+
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens " + both("prompt_len"))
+    p.add_argument("--output-len", type=int, default=None, help="generated tokens " + both("output_len"))
+    p.add_argument("--concurrency", default=None,
+                   help="comma-separated concurrencies to sweep " + both("concurrency", lambda c: ",".join(map(str, c))))
     p.add_argument("--rounds", type=int, default=d.rounds, help="requests per point = rounds x C (default %(default)s)")
-    p.add_argument("--num-blocks", type=int, default=d.num_blocks,
-                   help="KV blocks in the pool, the null block included (default %(default)s)")
-    p.add_argument("--sla-concurrency", type=int, default=d.sla_concurrency,
-                   help="the SLA is set by naive's p95 at this concurrency (default %(default)s)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks in the pool, the null block included " + both("num_blocks"))
+    p.add_argument("--sla-concurrency", type=int, default=None,
+                   help="the SLA is set by naive's p95 at this concurrency " + both("sla_concurrency"))
     p.add_argument("--sla-factor", type=float, default=d.sla_factor,
                    help="SLA = this x naive's p95 per-token latency (default %(default)s)")
+    p.add_argument("--cost-model", choices=("h200",), default=None,
+                   help="h200: no model forward; time each engine step with an H200 roofline (weights once, the "
+                   "K/V of every attended token, FLOPs, a fixed overhead) instead of the wall clock")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="with --cost-model: the model shape whose step is modeled (default: both)")
+    p.add_argument("--memory-utilization", type=float, default=None,
+                   help="with --cost-model: instead of --num-blocks, the whole H200's KV pool for the shape at this "
+                   "share of its 141 GB (vLLM's gpu_memory_utilization, weights included; 0.9 gives 52,852 blocks "
+                   "for llama-8b, whose memory-bound points take minutes each on a CPU)")
     add_model_args(p, prompts=True)
     add_output_args(p)
     p.set_defaults(func=_run_sla, parser=p)
 
 
+def _sla_options(args) -> dict:
+    """The sla options given on the command line (None: not given, the config's default applies)."""
+    given = dict(policy=args.policy, evict_ratio=args.evict_ratio, window=args.window, sink=args.sink, at=args.at,
+                 concurrency=args.concurrency, rounds=args.rounds, prompt_len=args.prompt_len,
+                 output_len=args.output_len, block_size=args.block_size, num_blocks=args.num_blocks,
+                 sla_concurrency=args.sla_concurrency, sla_factor=args.sla_factor, seed=args.seed)
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _run_sla(args) -> int:
+    from vtoken.errors import InvalidArgumentError
     from vtoken.experiments import common
-    from vtoken.experiments.sla import MODES, SlaConfig, format_sla, plot_sla, run_sla
 
     with common.cli_errors(args.parser):
         plt = common.require_matplotlib() if args.plot else None
-        cfg = SlaConfig(policy=args.policy, evict_ratio=args.evict_ratio, window=args.window, sink=args.sink, at=args.at,
-                        concurrency=args.concurrency, rounds=args.rounds, prompt_len=args.prompt_len,
-                        output_len=args.output_len, block_size=args.block_size, num_blocks=args.num_blocks,
-                        sla_concurrency=args.sla_concurrency, sla_factor=args.sla_factor, seed=args.seed,
-                        model=common.model_spec(args), prompts=common.prompt_texts(args))
-        with common.Progress(len(MODES) * len(cfg.concurrency), "sla") as progress:
-            res = run_sla(cfg, progress=progress)
+        if args.cost_model is not None:
+            from vtoken.experiments.sla_modeled import format_modeled_sla as fmt, plot_modeled_sla as plot
+
+            res = _run_sla_modeled(args)
+        else:
+            for name in ("shape", "memory_utilization"):
+                if getattr(args, name) is not None:
+                    raise InvalidArgumentError(f"{name}: expected --cost-model h200 with it (the wall-clock run "
+                                               f"serves a real model), got {getattr(args, name)!r}")
+            from vtoken.experiments.sla import MODES, SlaConfig, format_sla as fmt, plot_sla as plot, run_sla
+
+            cfg = SlaConfig(**_sla_options(args), model=common.model_spec(args), prompts=common.prompt_texts(args))
+            with common.Progress(len(MODES) * len(cfg.concurrency), "sla") as progress:
+                res = run_sla(cfg, progress=progress)
     if plt is not None:
-        plot_sla(res, args.plot, plt)
-    common.emit(args, res.to_dict(), format_sla(res))
+        plot(res, args.plot, plt)
+    common.emit(args, res.to_dict(), fmt(res))
     return 0
+
+
+def _run_sla_modeled(args):
+    from vtoken.errors import InvalidArgumentError
+    from vtoken.experiments import common
+    from vtoken.experiments.sla_modeled import ModeledSlaConfig, num_runs, run_modeled_sla
+
+    for name in ("model", "model_path", "prompt", "prompts", "device"):
+        if getattr(args, name) is not None:
+            raise InvalidArgumentError(f"{name}: expected none with --cost-model h200 (the modeled run has no "
+                                       f"model forward), got {getattr(args, name)!r}")
+    opts = _sla_options(args)
+    if args.memory_utilization is not None:
+        if args.num_blocks is not None:
+            raise InvalidArgumentError(f"memory_utilization: expected --num-blocks or --memory-utilization, "
+                                       f"got both ({args.num_blocks}, {args.memory_utilization!r})")
+        opts.update(num_blocks=None, memory_utilization=args.memory_utilization)
+    if args.shape is not None:
+        opts["shapes"] = (args.shape,)
+    cfg = ModeledSlaConfig(**opts)
+    with common.Progress(num_runs(cfg), "sla (modeled H200)") as progress:
+        return run_modeled_sla(cfg, progress=progress)
 
 
 def _add_prefix(sub) -> None:

@@ -200,10 +200,14 @@ class Engine:
         record_trace: wrap the policy in a :class:`TraceRecorder` (``self.trace``).
         tokenizer: a :class:`~vtoken.checkpoints.tokenizer.Tokenizer`: prompts may
             then be strings or chat messages, and finished requests carry ``text``.
+        runner_factory: builds the runner from the :class:`RunnerConfig` the engine
+            derives (default ``ModelRunner(model, ...)``); e.g. a
+            :class:`~vtoken.engine.trace_runner.TraceRunner`, the real table without
+            a model forward (``model`` is then unused).
     """
 
-    def __init__(self, model: LlamaModel, config: EngineConfig, *, policy: PolicyLike = None,
-                 record_trace: bool = False, tokenizer=None):
+    def __init__(self, model: Optional[LlamaModel], config: EngineConfig, *, policy: PolicyLike = None,
+                 record_trace: bool = False, tokenizer=None, runner_factory=None):
         if not isinstance(config, EngineConfig):
             raise InvalidTypeError(f"config: expected an EngineConfig, got {type(config).__name__}")
         if tokenizer is not None and not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
@@ -235,11 +239,12 @@ class Engine:
             raise InvalidArgumentError(f"policy: expected a trace recorded at one of {AT_MODES}, "
                                        f"got at={self.decides_at!r}")
         on_device = config.decision == "device" and isinstance(decider, EvictionPolicy)
-        self.runner = ModelRunner(model, RunnerConfig(
+        runner_config = RunnerConfig(
             num_blocks=config.num_blocks, block_size=config.block_size, layout=config.layout,
             max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_tokens,
             key_scores="sum" if source == "exact" and not on_device else "none", cuda_graph=config.cuda_graph,
-        ))
+        )
+        self.runner = ModelRunner(model, runner_config) if runner_factory is None else runner_factory(runner_config)
         self.table = self.runner.table
         self.decisions = DecisionLoop(decider, self.runner.mirror, num_blocks=config.num_blocks,
                                       block_size=config.block_size, max_reqs=config.max_num_reqs,

@@ -513,11 +513,11 @@ def add_model_args(p, *, device: bool = True, prompts: bool = False) -> None:
                    help="CPU intra-op threads (default %(default)s: the tiny model's ops are too small to share)")
 
 
-def add_workload_args(p, defaults, *, policy: bool = True, prompt_len: bool = True) -> None:
+def add_workload_args(p, defaults, *, policy: bool = True, prompt_len: bool = True, output_len: bool = True) -> None:
     """The workload options the engine experiments share, defaults from their config dataclass.
 
     ``--policy`` (optional), ``--evict-ratio``, ``--window``, ``--prompt-len``
-    (optional), ``--output-len``, ``--block-size``, ``--seed``.
+    (optional), ``--output-len`` (optional), ``--block-size``, ``--seed``.
     """
     if policy:
         from vtoken.policies import available
@@ -536,13 +536,14 @@ def add_workload_args(p, defaults, *, policy: bool = True, prompt_len: bool = Tr
     if prompt_len:
         p.add_argument("--prompt-len", type=int, default=defaults.prompt_len,
                        help="prompt tokens (default %(default)s)")
-    import dataclasses
+    if output_len:
+        import dataclasses
 
-    # the field's own default: a config's __post_init__ may resolve None on the instance
-    output_len = next(f.default for f in dataclasses.fields(type(defaults)) if f.name == "output_len")
-    p.add_argument("--output-len", type=int, default=output_len,
-                   help="generated tokens (default %(default)s)" if output_len is not None else
-                   "generated tokens (default: 256 on a random preset, 48 on a real checkpoint)")
+        # the field's own default: a config's __post_init__ may resolve None on the instance
+        output_len = next(f.default for f in dataclasses.fields(type(defaults)) if f.name == "output_len")
+        p.add_argument("--output-len", type=int, default=output_len,
+                       help="generated tokens (default %(default)s)" if output_len is not None else
+                       "generated tokens (default: 256 on a random preset, 48 on a real checkpoint)")
     p.add_argument("--block-size", type=int, default=defaults.block_size,
                    help="tokens per KV block (default %(default)s)")
     p.add_argument("--seed", type=int, default=defaults.seed,

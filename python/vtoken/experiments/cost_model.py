@@ -29,9 +29,11 @@ Example (the 8B shape at batch 64, every request attending 4,096 tokens)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
-from vtoken.errors import InvalidArgumentError, check_int
+import numpy as np
+
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int
 
 
 @dataclass(frozen=True)
@@ -110,15 +112,18 @@ class H200Roofline:
         step_overhead: seconds per step outside the roofline: scheduling,
             sampling and the launch of a captured CUDA graph (1.5e-3: an
             assumption; ``bench/gpu_check.sh`` calibrates measured / modeled).
+        hbm_bytes: the HBM capacity, 141e9 (the datasheet's 141 GB); with
+            :meth:`kv_blocks` it sizes the KV cache a server would get.
     """
 
     hbm_bandwidth: float = 4.3e12
     flops_rate: float = 989e12
     mfu: float = 0.6
     step_overhead: float = 1.5e-3
+    hbm_bytes: float = 141e9
 
     def __post_init__(self):
-        for f in ("hbm_bandwidth", "flops_rate", "mfu"):
+        for f in ("hbm_bandwidth", "flops_rate", "mfu", "hbm_bytes"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise InvalidArgumentError(f"{f}: expected a number > 0, got {v!r}")
@@ -141,18 +146,76 @@ class H200Roofline:
             + 4 * shape.num_layers * shape.num_heads * shape.head_dim * attended_pairs
         return max(nbytes / self.hbm_bandwidth, flops / (self.flops_rate * self.mfu)) + self.step_overhead
 
+    def batch_seconds(self, shape: ModelShape, past, new) -> float:
+        """Any step (decode, prefill, or both mixed): request ``i`` computes ``new[i]`` tokens after the
+        ``past[i]`` live ones it held, every new token attending those and the new ones before it (causal)."""
+        past, new = as_index_array("past", past), as_index_array("new", new)
+        if past.shape != new.shape:
+            raise InvalidArgumentError(f"new: expected {past.size} counts (one per request, as past), got {new.size}")
+        if new.size and new.min() < 1:
+            raise InvalidArgumentError(f"new: expected counts >= 1, got {int(new.min())}")
+        if past.size and past.min() < 0:
+            raise InvalidArgumentError(f"past: expected counts >= 0, got {int(past.min())}")
+        pairs = int((new * past + new * (new + 1) // 2).sum())
+        return self.step_seconds(shape, new_tokens=int(new.sum()), kv_tokens_read=int(past.sum()),
+                                 attended_pairs=pairs)
+
     def decode_seconds(self, shape: ModelShape, live_tokens: Sequence[int]) -> float:
         """A decode step: one new token per request, each attending its ``live_tokens`` (the new one included)."""
-        live = [check_int("live_tokens", int(n), min_value=1) for n in live_tokens]
-        return self.step_seconds(shape, new_tokens=len(live), kv_tokens_read=sum(live) - len(live),
-                                 attended_pairs=sum(live))
+        live = as_index_array("live_tokens", live_tokens)
+        if live.size and live.min() < 1:
+            raise InvalidArgumentError(f"live_tokens: expected counts >= 1, got {int(live.min())}")
+        return self.batch_seconds(shape, live - 1, np.ones_like(live))
 
     def prefill_seconds(self, shape: ModelShape, chunks: Sequence[tuple]) -> float:
         """A prefill step: ``(past, new)`` per request, ``new`` tokens after ``past`` live ones (causal)."""
-        pairs = kv = n_new = 0
-        for past, new in chunks:
-            past, new = check_int("past", past), check_int("new", new, min_value=1)
-            pairs += new * past + new * (new + 1) // 2
-            kv += past
-            n_new += new
-        return self.step_seconds(shape, new_tokens=n_new, kv_tokens_read=kv, attended_pairs=pairs)
+        chunks = [(check_int("past", p), check_int("new", n, min_value=1)) for p, n in chunks]
+        return self.batch_seconds(shape, [p for p, _ in chunks], [n for _, n in chunks])
+
+    def kv_blocks(self, shape: ModelShape, block_size: int, *, memory_utilization: float = 0.9) -> int:
+        """KV blocks of ``block_size`` tokens a server gets: ``hbm_bytes x memory_utilization - weights``.
+
+        ``memory_utilization`` is vLLM's ``gpu_memory_utilization`` (default
+        0.9): the share of the HBM the server may use, its bf16 weights
+        included (activations and the CUDA context are not modeled).
+        """
+        check_int("block_size", block_size, min_value=1)
+        if isinstance(memory_utilization, bool) or not isinstance(memory_utilization, (int, float)) \
+                or not 0 < memory_utilization <= 1:
+            raise InvalidArgumentError(f"memory_utilization: expected a value in (0, 1], got {memory_utilization!r}")
+        free = self.hbm_bytes * memory_utilization - shape.params * shape.dtype_bytes
+        if free <= 0:
+            raise InvalidArgumentError(f"memory_utilization: expected room for {shape.name}'s "
+                                       f"{shape.params * shape.dtype_bytes} bytes of weights in "
+                                       f"{memory_utilization!r} x {self.hbm_bytes:.3g} bytes of HBM, got none")
+        return int(free // (shape.kv_bytes_per_token * block_size))
+
+
+class ModeledClock:
+    """Time advanced by the roofline instead of the wall clock: ``now`` grows by each step's modeled seconds.
+
+    Example (two decode steps of the 8B shape, 2 requests attending 1,000 and 3,000 tokens)::
+
+        >>> clock = ModeledClock(ModelShape.llama_8b())
+        >>> for _ in range(2):
+        ...     _ = clock.advance([999, 2999], [1, 1])
+        >>> clock.now == 2 * H200Roofline().decode_seconds(ModelShape.llama_8b(), [1000, 3000]), clock.steps
+        (True, 2)
+    """
+
+    def __init__(self, shape: ModelShape, roofline: Optional[H200Roofline] = None):
+        if not isinstance(shape, ModelShape):
+            raise InvalidTypeError(f"shape: expected a ModelShape, got {type(shape).__name__}")
+        roofline = H200Roofline() if roofline is None else roofline
+        if not isinstance(roofline, H200Roofline):
+            raise InvalidTypeError(f"roofline: expected an H200Roofline, got {type(roofline).__name__}")
+        self.shape, self.roofline = shape, roofline
+        self.now = 0.0
+        self.steps = 0
+
+    def advance(self, past, new) -> float:
+        """Add one step (:meth:`H200Roofline.batch_seconds` of ``past`` / ``new``); returns its seconds."""
+        dt = self.roofline.batch_seconds(self.shape, past, new)
+        self.now += dt
+        self.steps += 1
+        return dt

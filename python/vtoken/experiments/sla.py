@@ -7,9 +7,11 @@ budget. Admission, backpressure and preemption by recompute are the engine's
 own, so a mode that runs out of blocks queues or recomputes, and pays for it
 in latency.
 
-Measured per point (host wall-clock):
+Measured per point (host wall-clock; a step's tokens count at its end, when
+they are on the host):
 
-- **throughput**: generated tokens / wall time of the run;
+- **throughput**: generated tokens / time from the first submission to the
+  end of the last step;
 - **p95 per-token latency**: the 95th percentile, over every generated token
   but each request's first, of the time since the same request's previous
   token (inter-token latency; a preempted request's recompute stall lands in
@@ -23,7 +25,10 @@ The policy runs live in each evicting mode (no trace replay): preemption by
 recompute re-prefills a request and changes what the policy is asked, so the
 modes cannot share one trace here. Reclamation uses :class:`ReclaimConfig`'s
 defaults (reclaim when free blocks fall under 10% of the pool), as a server
-would. Numbers are measurements of this machine, not a model.
+would. Numbers are measurements of this machine, not a model; the same
+metrics on a modeled H200 clock are :mod:`vtoken.experiments.sla_modeled`
+(``vtoken sla --cost-model h200``), which shares :func:`timed_engine_class`,
+:func:`serve`, :func:`token_times`, :func:`sla_bound` and :func:`best_under_sla`.
 
 Example:
     >>> from vtoken.experiments.common import ModelSpec
@@ -97,9 +102,30 @@ class SlaConfig:
             raise InvalidArgumentError(f"sla_factor: expected a number > 0, got {self.sla_factor!r}")
 
 
+class WallClock:
+    """Marks each step boundary with the host's clock: what the wall-clock run times tokens with."""
+
+    def mark(self, engine) -> float:
+        return time.perf_counter()
+
+    @staticmethod
+    def times(marks: list) -> np.ndarray:
+        """Seconds at each step boundary (the marks themselves)."""
+        return np.asarray(marks, dtype=np.float64)
+
+
 @functools.lru_cache(maxsize=None)
 def timed_engine_class():
-    """An :class:`~vtoken.engine.scheduler.Engine` subclass that timestamps every generated token.
+    """An :class:`~vtoken.engine.scheduler.Engine` subclass that records when every token was generated.
+
+    Times are kept as step boundaries: boundary ``k`` is the end of the
+    engine's ``k``-th step (0: the first submission). ``marks[k]`` is
+    ``clock.mark(engine)`` taken there (default :class:`WallClock`: the host's
+    time; the modeled H200 run marks each step's composition and turns the
+    marks into times later, once per shape). ``first_steps`` holds
+    ``(submitted, first token)`` boundaries per request and ``gap_steps``
+    ``(previous token, this token)`` for every later token; a step's tokens
+    count at its end, when they are on the host.
 
     (Built on first use so that importing this module, which the CLI does to
     build its parser, does not import torch.)
@@ -107,28 +133,98 @@ def timed_engine_class():
     from vtoken.engine.scheduler import Engine
 
     class TimedEngine(Engine):
-        def __init__(self, *a, **kw):
+        def __init__(self, *a, clock=None, **kw):
             super().__init__(*a, **kw)
-            self.token_gaps: list = []  # inter-token latencies (s)
-            self.ttfts: list = []  # first-token latencies (s), from submission
-            self._last: dict = {}  # request id -> (tokens seen, time of the last one)
+            self.clock = WallClock() if clock is None else clock
+            self.marks: list = []
+            self.first_steps: list = []
+            self.gap_steps: list = []
+            self._submitted: dict = {}  # request id -> boundary
+            self._last: dict = {}  # request id -> (tokens seen, boundary of the last one)
+
+        def _mark(self) -> int:
+            while len(self.marks) <= self.step_count:
+                self.marks.append(self.clock.mark(self))
+            return self.step_count
+
+        def add_request(self, *a, **kw):
+            rid = super().add_request(*a, **kw)
+            self._submitted[rid] = self._mark()
+            return rid
 
         def step(self):
             done = super().step()
-            now = time.perf_counter()  # host clock after the step: its tokens are on the host by now
+            k = self._mark()
             for r in itertools.chain(self.running, done):
                 n = len(r.output)
                 prev = self._last.get(r.request_id)
                 if prev is None:
                     if n:
-                        self.ttfts.append(now - r.arrival_time)
-                        self._last[r.request_id] = (n, now)
+                        self.first_steps.append((self._submitted[r.request_id], k))
+                        self._last[r.request_id] = (n, k)
                 elif n > prev[0]:
-                    self.token_gaps.append(now - prev[1])
-                    self._last[r.request_id] = (n, now)
+                    self.gap_steps.append((prev[1], k))
+                    self._last[r.request_id] = (n, k)
             return done
 
     return TimedEngine
+
+
+def serve(eng, prompts: list, output_len: int, concurrency: int) -> dict:
+    """Serve ``prompts`` closed-loop at ``concurrency`` on a :class:`TimedEngine`; the point's counts."""
+    out = eng.generate(prompts, output_len, concurrency=concurrency)
+    s = eng.summary()
+    return {
+        "concurrency": concurrency,
+        "requests": len(prompts),
+        "generated_tokens": sum(len(r.output) for r in out),
+        "preemptions": s["preemptions"],
+        "peak_running": s["peak_running"],
+        "peak_blocks": s["peak_blocks"],
+        "relocated_tokens": s["relocated_tokens"],
+        "reclaimed_blocks": s["reclaimed_blocks"],
+        "backpressure_steps": s["backpressure_steps"],
+    }
+
+
+def token_times(eng, times: np.ndarray, *, prefix: str = "") -> dict:
+    """A served :class:`TimedEngine`'s time metrics (module docstring), ``times[k]`` being the clock at
+    step boundary ``k``; each named ``prefix`` + the metric."""
+    times = np.asarray(times, dtype=np.float64)
+    if times.shape != (len(eng.marks),):
+        raise InvalidArgumentError(f"times: expected one per step boundary ({len(eng.marks)}), got {times.shape}")
+    first = np.asarray(eng.first_steps, dtype=np.int64).reshape(-1, 2)
+    later = np.asarray(eng.gap_steps, dtype=np.int64).reshape(-1, 2)
+    gaps = times[later[:, 1]] - times[later[:, 0]]
+    ttfts = times[first[:, 1]] - times[first[:, 0]]
+    seconds = float(times[-1] - times[0]) if times.size else 0.0
+    tokens = len(first) + len(later)  # every token is a request's first or a later one
+    return {
+        prefix + "seconds": seconds,
+        prefix + "throughput_tok_s": tokens / seconds if seconds > 0 else 0.0,
+        prefix + "p95_token_latency_s": float(np.percentile(gaps, 95)) if gaps.size else None,
+        prefix + "mean_token_latency_s": float(gaps.mean()) if gaps.size else None,
+        prefix + "p95_ttft_s": float(np.percentile(ttfts, 95)) if ttfts.size else None,
+    }
+
+
+def sla_bound(points: dict, sla_concurrency: int, sla_factor: float, *, prefix: str = "") -> float:
+    """The SLA: ``sla_factor x`` naive's p95 per-token latency at ``sla_concurrency``."""
+    ref = next(p for p in points["naive"] if p["concurrency"] == sla_concurrency)
+    if ref[prefix + "p95_token_latency_s"] is None:
+        raise InvalidArgumentError("output_len: expected >= 2 (per-token latency needs a second token), got 1")
+    return sla_factor * ref[prefix + "p95_token_latency_s"]
+
+
+def best_under_sla(points: dict, sla: float, *, prefix: str = "") -> dict:
+    """Per mode, the point of highest throughput whose p95 per-token latency is within ``sla`` (None if none)."""
+    lat, thr = prefix + "p95_token_latency_s", prefix + "throughput_tok_s"
+    best = {}
+    for mode, pts in points.items():
+        ok = [p for p in pts if p[lat] is not None and p[lat] <= sla]
+        b = max(ok, key=lambda p: p[thr]) if ok else None
+        best[mode] = None if b is None else {k: b[k] for k in ("concurrency", thr, lat)}
+    return best
 
 
 @dataclass
@@ -174,28 +270,8 @@ def _point(model, mode: str, cfg: SlaConfig, C: int, tokenizer=None) -> dict:
     eng = timed_engine_class()(model, ecfg)
     if eng.runner.use_graph:
         eng.runner.capture_graphs()  # capture is set-up, not serving time
-    t0 = time.perf_counter()
-    out = eng.generate(prompts, cfg.output_len, concurrency=C)
-    wall = time.perf_counter() - t0
-    tokens = sum(len(r.output) for r in out)
-    s = eng.summary()
-    gaps = np.asarray(eng.token_gaps)
-    return {
-        "concurrency": C,
-        "requests": n,
-        "generated_tokens": tokens,
-        "seconds": wall,
-        "throughput_tok_s": tokens / wall,
-        "p95_token_latency_s": float(np.percentile(gaps, 95)) if gaps.size else None,
-        "mean_token_latency_s": float(gaps.mean()) if gaps.size else None,
-        "p95_ttft_s": float(np.percentile(eng.ttfts, 95)),
-        "preemptions": s["preemptions"],
-        "peak_running": s["peak_running"],
-        "peak_blocks": s["peak_blocks"],
-        "relocated_tokens": s["relocated_tokens"],
-        "reclaimed_blocks": s["reclaimed_blocks"],
-        "backpressure_steps": s["backpressure_steps"],
-    }
+    point = serve(eng, prompts, cfg.output_len, C)
+    return {**point, **token_times(eng, WallClock.times(eng.marks))}
 
 
 def run_sla(cfg: SlaConfig, *, progress: Optional[Progress] = None) -> SlaResult:
@@ -218,16 +294,8 @@ def run_sla(cfg: SlaConfig, *, progress: Optional[Progress] = None) -> SlaResult
             points[mode].append(_point(model, mode, cfg, C, tokenizer))
             if progress is not None:
                 progress.advance()
-    ref = next(p for p in points["naive"] if p["concurrency"] == cfg.sla_concurrency)
-    if ref["p95_token_latency_s"] is None:
-        raise InvalidArgumentError("output_len: expected >= 2 (per-token latency needs a second token), got 1")
-    sla = cfg.sla_factor * ref["p95_token_latency_s"]
-    best = {}
-    for mode in MODES:
-        ok = [p for p in points[mode] if p["p95_token_latency_s"] is not None and p["p95_token_latency_s"] <= sla]
-        b = max(ok, key=lambda p: p["throughput_tok_s"]) if ok else None
-        best[mode] = None if b is None else {k: b[k] for k in ("concurrency", "throughput_tok_s",
-                                                               "p95_token_latency_s")}
+    sla = sla_bound(points, cfg.sla_concurrency, cfg.sla_factor)
+    best = best_under_sla(points, sla)
     return SlaResult(cfg, cfg.model.describe(model), {m: points[m] for m in MODES}, sla, best,
                      time.perf_counter() - t0)
 
