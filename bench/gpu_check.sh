@@ -29,8 +29,9 @@ failed=0
 TAIL_S=10  # kept for the summary
 
 # Benchmarks in priority order (a tight budget cuts the last ones first): name:cap_s:min_s.
+# cost_model: the calibration of vtoken sla --cost-model h200 (the real engine vs the H200 roofline, measured / modeled).
 BENCHES=(engine:90:50 decision_loop:90:30 reclaim:60:30 token_attention:60:20 compact_kv:60:20 build_slot_lists:45:15
-         block_live_counts:45:15)
+         block_live_counts:45:15 cost_model:60:20)
 PYTEST_CAP=150
 PYTEST_MIN=60
 BUILD_CAP=200
