@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import dataclasses
+import doctest
+import importlib
 
 import numpy as np
 import pytest
@@ -182,3 +184,10 @@ def test_out_of_blocks_returns_none_with_nothing_changed():
     runner.take_forwards()
     assert runner.decode(["a"], [1]) is None
     assert runner.table.num_tokens("a") == 8 and runner.take_forwards() == []
+
+
+@pytest.mark.parametrize("module", ["vtoken.engine.trace_runner", "vtoken.experiments.synthetic_scores",
+                                    "vtoken.experiments.sla_modeled"])
+def test_docstring_examples_run(module):
+    failures, tried = doctest.testmod(importlib.import_module(module))
+    assert tried > 0 and failures == 0
