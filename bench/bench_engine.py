@@ -270,7 +270,7 @@ def part_graph_vs_eager(sz, device, graphs: bool) -> dict:
     model, desc, build_s = build_model(sz["a_model"], device)
     R, P, O, S = sz["a_reqs"], sz["a_prompt"], sz["a_output"], sz["a_block"]
     prompts = make_prompts(R, P, model.config.vocab_size, seed=1)
-    engine_cfg = dict(num_blocks=fit_num_blocks(R, full_blocks(P, O, S)), block_size=S, max_num_reqs=R,
+    engine_cfg = dict(num_blocks=fit_num_blocks(R, full_blocks(P, O, S), S), block_size=S, max_num_reqs=R,
                       max_num_tokens=R * P, reclaim=dict(EAGER_RECLAIM))
     pcfg = policy_config("h2o", 0.5)
 

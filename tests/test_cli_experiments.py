@@ -36,7 +36,7 @@ from vtoken.experiments.common import Progress, full_blocks, headroom_blocks
 TINY = ["--block-size", "4", "--window", "4", "--device", "cpu"]
 MODE_KEYS = {"mode", "retained_blocks_per_request", "utilization", "waste_ratio_mean", "ideal_blocks_per_request",
              "peak_blocks", "peak_blocks_per_request", "usable_blocks", "max_concurrency", "tokens_per_s", "seconds",
-             "evicted_tokens", "relocated_tokens", "reclaimed_blocks", "preemptions"}
+             "evicted_tokens", "relocated_tokens", "reclaimed_blocks", "preemptions", "steady_utilization"}
 SCATTERED = ("h2o", "random", "scissorhands", "tova")  # victims spread over blocks: naive keeps holes
 
 
@@ -66,7 +66,8 @@ def test_demo_json(capsys):
     got = run_json(capsys, *DEMO)
     assert set(got) == {"config", "model", "modes", "outputs_identical", "identical", "seconds", "prompt_lens",
                         "prompts", "reclaim"}
-    assert got["reclaim"]["theta_F"] == 0.25 and got["reclaim"]["low_watermark"] == 1.0  # the run's settings
+    assert got["reclaim"]["theta_F"] == 0.01 and got["reclaim"]["low_watermark"] == 1.0  # the run's settings
+    assert got["reclaim"]["headroom_blocks"] is None  # automatic: sized to the running requests
     assert got["identical"] is True and got["prompts"] is None and got["prompt_lens"] == [24] * 3  # random ids
     assert list(got["modes"]) == ["native", "naive", "vtoken"]
     assert set(got["modes"]["native"]) == MODE_KEYS
@@ -84,13 +85,17 @@ def test_demo_json(capsys):
     assert nv["relocated_tokens"] == 0 and vt["relocated_tokens"] > 0 and vt["reclaimed_blocks"] > 0
     assert vt["retained_blocks_per_request"] < nv["retained_blocks_per_request"]
     assert vt["utilization"] > nv["utilization"]
+    assert vt["steady_utilization"] > nv["steady_utilization"]
     assert vt["ideal_blocks_per_request"] == nv["ideal_blocks_per_request"]  # same live tokens
     assert vt["retained_blocks_per_request"] >= vt["ideal_blocks_per_request"]
     # Max concurrency by its definition; vtoken's headroom is inside the same budget.
     assert nat["usable_blocks"] == nv["usable_blocks"] == 47
-    assert vt["usable_blocks"] == 47 - headroom_blocks(48)
-    for m in (nat, nv, vt):
+    assert vt["usable_blocks"] == 47 - headroom_blocks(3, 4)
+    for m in (nat, nv):
         assert m["max_concurrency"] == m["usable_blocks"] // m["peak_blocks_per_request"]
+    c, per = vt["max_concurrency"], vt["peak_blocks_per_request"]  # with the headroom those c requests need
+    assert c * per + headroom_blocks(c, 4) <= 47 < (c + 1) * per + headroom_blocks(c + 1, 4)
+    for m in (nat, nv, vt):
         assert m["preemptions"] == 0 and 0 < m["utilization"] <= 1 and 0 <= m["waste_ratio_mean"] < 1
     assert vt["peak_blocks_per_request"] < nat["peak_blocks_per_request"]
     assert vt["max_concurrency"] > nat["max_concurrency"]
@@ -351,10 +356,10 @@ SLOTS = "expected a pool of at most 134217728 blocks of 16 tokens (int32 slot id
 @pytest.mark.parametrize("argv, line", [
     (["demo", "--num-blocks", "10000000000"], f"num_blocks: {SLOTS} 10000000000"),
     (["sla", "--num-blocks", "100000000000"], f"num_blocks: {SLOTS} 100000000000"),
-    (["retained", "--requests", "100000000"], f"requests: {SLOTS} 100000000, which needs 1632653063"),
+    (["retained", "--requests", "100000000"], f"requests: {SLOTS} 100000000, which needs 1740625001"),
     (["retained", "--prompt-len", "100000000000"],
      f"prompt_len + output_len: {SLOTS} 100000000128, which needs 6250000009"),
-    (["prefix", "--requests", "100000000", "--degrees", "1"], f"requests: {SLOTS} 100000000, which needs 1428571430"),
+    (["prefix", "--requests", "100000000", "--degrees", "1"], f"requests: {SLOTS} 100000000, which needs 1540625001"),
     (["frontier", "--trace-only", "--num-blocks", "1000000000000"], f"num_blocks: {SLOTS} 1000000000000"),
 ])
 def test_sizes_past_int32_slots_are_refused_before_any_model(capsys, monkeypatch, argv, line):
@@ -402,13 +407,23 @@ def test_kv_bytes_per_token_matches_the_allocated_cache():
     assert kv_bytes_per_token(MODEL_PRESETS["gpu"]) == 2 * 22 * 4 * 64 * 2  # TinyLlama's shape in bf16
 
 
+def test_default_demo_packs_to_95_percent_in_steady_state(capsys):
+    """The acceptance of the pressure-driven defaults: ``vtoken demo`` as shipped (memory pressure declared)."""
+    got = run_json(capsys, "demo", "--device", "cpu")
+    vt = got["modes"]["vtoken"]
+    assert got["identical"] is True and got["config"]["prompt_len"] == 512
+    assert got["reclaim"]["theta_F"] == 0.01 and got["reclaim"]["low_watermark"] == 1.0
+    assert vt["steady_utilization"] >= 0.95 and vt["relocated_tokens"] > 0
+    assert got["modes"]["naive"]["steady_utilization"] < 0.65
+
+
 def test_fit_num_blocks_is_the_smallest_pool_that_fits():
     from vtoken.experiments.common import fit_num_blocks, headroom_blocks
 
     for requests in (1, 3, 8, 50):
         for per in (1, 7, 16, 100, 1000):
-            need, n = requests * per, fit_num_blocks(requests, per)
-            assert n - 1 - headroom_blocks(n) >= need and (n - 1) - 1 - headroom_blocks(n - 1) < need
+            need, n = requests * per, fit_num_blocks(requests, per, 16)
+            assert n - 1 - headroom_blocks(requests, 16) == need
 
 
 # ---------------------------------------------------------------------------------- plot, progress

@@ -167,3 +167,20 @@ def test_cuda_graph_engine_with_relocation_equals_eager(policy):
     assert replays_g > 0 and replays_e == 0
     assert sum_g["relocated_tokens"] > 0
     assert tok_g == tok_e
+
+
+def test_default_reclamation_moves_nothing_without_memory_pressure(model, monkeypatch):
+    """ReclaimConfig's defaults: a roomy pool moves no token; the same run in a pool at its limit does."""
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    ps, n = _prompts((20, 27, 33, 14)), 24
+
+    def run(num_blocks):
+        eng = _engine(model, "vtoken", policy="h2o", policy_config=POLICY_CFG, num_blocks=num_blocks, reclaim=None)
+        out = eng.generate(ps, n)
+        return eng.summary(), [r.output for r in out]
+
+    roomy, out_roomy = run(96)  # 4 requests of <= 14 blocks unevicted: never short of blocks
+    assert roomy["relocated_tokens"] == 0 and roomy["preemptions"] == 0
+    tight, out_tight = run(40)  # the growth look-ahead and the headroom exceed what is free: pressure
+    assert tight["relocated_tokens"] > 0 and tight["reclaimed_blocks"] > 0
+    assert out_tight == out_roomy  # relocation never changes what attention reads

@@ -109,7 +109,8 @@ def test_frontier_probe_is_the_same_with_a_tiny_ring(monkeypatch):
     import vtoken.reclaim
     from vtoken.experiments.frontier import FrontierConfig, VictimTrace, simulate_trace_only
 
-    cfg = FrontierConfig(num_blocks=97, prompt_len=64, output_len=64, trace_only=True)
+    # memory declared always low: 6 requests would fit without reclaiming (no pressure, nothing moved)
+    cfg = FrontierConfig(num_blocks=97, prompt_len=64, output_len=64, trace_only=True, reclaim={"low_watermark": 1.0})
     trace = VictimTrace(cfg)
     probes = {}
     for capacity in (None, 4):

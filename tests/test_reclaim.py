@@ -23,10 +23,13 @@ from reclaim_helpers import Runtime, assert_same
 from vtoken import invariants, ops
 from vtoken.copy_engine import CopyEngine
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, UnknownRequestError
-from vtoken.ledger import DST_INFLIGHT, SHARED, SRC_INFLIGHT
+from vtoken.ledger import DST_INFLIGHT, SHARED, SRC_INFLIGHT, BlockLedger
 from vtoken.metrics import FIELDS
+from vtoken.pool import BlockPool
 from vtoken.planner import collect_moves, select_sources
 from vtoken.reclaim import MAX_MOVES_PER_STEP, ReclaimConfig, ReclamationManager
+from vtoken.reclaim_config import auto_headroom
+from vtoken.table import TokenTable
 
 SEEDS = (0, 1, 2)
 BLOCK_SIZES = (1, 3, 4, 16)
@@ -812,3 +815,81 @@ def test_a_plan_that_needs_more_than_the_leftover_budget_waits_its_turn(monkeypa
         assert calls[0] == 4 and calls[1:] in ([], [1, 4])
     assert planned == [["a"], ["b"], ["c"]]
     rt.table.check_invariants()
+
+
+# ----------------------------------------------------------------------------- the pressure-driven trigger
+def _scattered(num_blocks=64, S=4, reqs=("a", "b"), tokens=40):
+    """Requests whose non-tail blocks each keep 1 live token of S: plenty to reclaim."""
+    t = TokenTable(BlockLedger(BlockPool(num_blocks), S))
+    for r in reqs:
+        t.add_request(r)
+        t.sync_new_tokens(r, tokens)
+        t.evict(r, [i for i in range(tokens - S) if i % S])
+    return t
+
+
+def test_no_pressure_moves_nothing_whatever_the_waste():
+    t = _scattered(num_blocks=256)
+    mgr = ReclamationManager(t, ReclaimConfig(check_interval=1))  # library defaults otherwise
+    assert t.ledger.waste_ratio > 0.5 and mgr.trigger.deficit() < 0
+    for _ in range(3):
+        plans = mgr.maybe_plan()
+        mgr.launch(plans)
+        mgr.commit()
+        assert plans == []
+    assert mgr.metrics.totals.moves == 0
+
+
+def test_pressure_plans_only_until_the_shortfall_is_covered():
+    t = _scattered(num_blocks=64, reqs="abcd")  # 4 x 10 blocks held of 63 usable: free 23
+    led = t.ledger
+    # growth 4 x 2 blocks over check_interval + S = 5 steps, headroom 5: only the watermark (26) presses
+    mgr = ReclamationManager(t, ReclaimConfig(check_interval=1, max_src_per_plan=2, low_watermark=26))
+    assert t.arena.growth_blocks(5) == 4 * 2 and t.arena.growth_blocks(0) == 0  # 40 tokens + 5: 2 blocks each
+    need = mgr.trigger.deficit()
+    assert need == 3  # each plan (2 sources of 1 live token into 1 block) nets 1: 3 of the 4 requests
+    free0 = led.num_free
+    plans = mgr.maybe_plan()
+    mgr.launch(plans)
+    mgr.commit()
+    net = sum(len(p.src_blocks) - len(p.dst_blocks) for p in plans)
+    assert plans and net >= need  # covered ...
+    assert net - (len(plans[-1].src_blocks) - len(plans[-1].dst_blocks)) < need  # ... and the last plan was needed
+    assert led.num_free == free0 + net
+    # Covered: the next check finds no shortfall and moves nothing more.
+    assert mgr.trigger.deficit() <= 0 and mgr.maybe_plan() == []
+
+
+def test_waiting_prompts_are_part_of_the_demand():
+    t = _scattered(num_blocks=256)
+    mgr = ReclamationManager(t, ReclaimConfig(check_interval=1))
+    assert mgr.trigger.deficit() < 0 and mgr.maybe_plan() == []
+    mgr.commit()
+    mgr.note_waiting(t.ledger.num_free)  # a prompt needing every free block is waiting
+    assert mgr.trigger.deficit() > 0
+    plans = mgr.maybe_plan()
+    mgr.launch(plans)
+    mgr.commit()
+    assert plans
+    with pytest.raises(InvalidArgumentError, match="blocks"):
+        mgr.note_waiting(-1)
+
+
+def test_waste_floor_holds_under_pressure():
+    t = _scattered(num_blocks=64, reqs="abcd")
+    F = t.ledger.waste_ratio
+    mgr = ReclamationManager(t, ReclaimConfig(check_interval=1, low_watermark=26, theta_F=min(0.99, F + 0.01)))
+    assert mgr.trigger.deficit() > 0 and mgr.maybe_plan() == []  # pressure, but F is under the floor
+
+
+def test_automatic_headroom_follows_the_running_requests():
+    t = TokenTable(BlockLedger(BlockPool(1000), 16))
+    mgr = ReclamationManager(t, ReclaimConfig())
+    assert mgr.headroom == t.ledger.reserved == auto_headroom(0, 16) == 1
+    for i in range(10):
+        t.add_request(i)
+    mgr.admission_budget()
+    assert mgr.headroom == t.ledger.reserved == auto_headroom(10, 16) == 15
+    with pytest.raises(InvalidArgumentError, match="block_size"):
+        ReclaimConfig().resolve(100)  # an automatic headroom needs the block size
+    assert ReclaimConfig(headroom_blocks=7).resolve(100) == (0, 7)

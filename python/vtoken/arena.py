@@ -105,6 +105,16 @@ class SegmentArena:
         b0 = int(self.base[row]) // self.S
         return self.blocks[b0 : b0 + cdiv(int(self.ntok[row]), self.S)]
 
+    def growth_blocks(self, steps: int) -> int:
+        """Blocks the rows in use would open if each appended ``steps`` more tokens (O(rows)).
+
+        The reclamation trigger's projection of the running requests' demand:
+        token ``t`` of a row lives in block ``t // S`` of its list, so growing
+        from ``n`` to ``n + steps`` tokens opens ``cdiv(n + steps, S) - cdiv(n, S)``.
+        """
+        n = self.ntok[self.in_use]
+        return int((cdiv(n + steps, self.S) - cdiv(n, self.S)).sum())
+
     def tail_pos(self, rows):
         """Block-list position of the rows' tail blocks (-1 for an empty row)."""
         return cdiv(self.ntok[rows], self.S) - 1

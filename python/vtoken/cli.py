@@ -85,7 +85,8 @@ def _add_demo(sub) -> None:
                    help="KV blocks in the pool, the null block included (default: 256, or the smallest pool that "
                    "holds every request unevicted if more)")
     p.add_argument("--theta-f", type=float, default=d.theta_f,
-                   help="vtoken reclaims while the pool's waste ratio F exceeds this (default %(default)s)")
+                   help="the waste floor: vtoken never reclaims while the pool's waste ratio F is at or below it "
+                   "(default: ReclaimConfig's, 0.01)")
     add_model_args(p, prompts=True)
     add_output_args(p)
     p.set_defaults(func=_run_demo, parser=p)
@@ -331,14 +332,19 @@ def _add_frontier(sub) -> None:
                    help="skip the model forward: real block accounting, victims from the policy on synthetic "
                    "attention, recorded once and replayed in every mode")
     p.add_argument("--headroom", type=int, default=None,
-                   help="vtoken's destination reserve in blocks (default: ceil(1.5 C (S-1) / S) at concurrency C)")
+                   help="vtoken's destination reserve in blocks (default: automatic, ceil(1.5 R (S-1) / S) for R running "
+                   "requests)")
     p.add_argument("--low-watermark", type=float, default=None,
-                   help="vtoken reclaims while free blocks are below this fraction of the pool (default 1.0: always)")
+                   help="fewer free blocks than this fraction of the pool count as pressure (default 0: projected demand "
+                   "only; 1.0: always)")
     p.add_argument("--theta-f", type=float, default=None,
-                   help="vtoken reclaims while the waste ratio F exceeds this (default 0.0)")
+                   help="the waste floor: vtoken never reclaims while the waste ratio F is at or below it (default 0.01)")
     p.add_argument("--check-interval", type=int, default=None,
-                   help="steps between vtoken's trigger checks (default 1)")
+                   help="steps between vtoken's trigger checks, and its demand look-ahead (default 8)")
     p.add_argument("--max-src", type=int, default=None, help="source blocks per plan at most (default 256)")
+    p.add_argument("--no-compare", action="store_true",
+                   help="skip the second vtoken search with the continuous reclamation the presets used to set "
+                   "(reported for its write amplification)")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="largest concurrency probed (default: the analytic bound of each mode)")
     p.add_argument("--seed", type=int, default=d.seed,
@@ -358,7 +364,7 @@ def _run_frontier(args) -> int:
             args.preset, num_blocks=args.num_blocks, block_size=args.block_size, prompt_len=args.prompt_len,
             output_len=args.output_len, policy=args.policy, window=args.window, sink=args.sink,
             evict_ratio=args.evict_ratio, kv_budget=args.kv_budget, trace_only=args.trace_only, seed=args.seed,
-            max_concurrency=args.max_concurrency,
+            max_concurrency=args.max_concurrency, compare_continuous=not args.no_compare,
             reclaim={"headroom_blocks": args.headroom, "low_watermark": args.low_watermark,
                      "theta_F": args.theta_f, "check_interval": args.check_interval,
                      "max_src_per_plan": args.max_src},

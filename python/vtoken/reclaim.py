@@ -7,7 +7,7 @@ per step, in this order::
                                       # none at all while budget.backpressure
     mgr.before_forward()              # I3: the compute stream waits on the last copy
     ...build slot lists, launch the forward, let the policy evict...
-    plans = mgr.maybe_plan()          # amortized trigger + plans (destinations reserved)
+    plans = mgr.maybe_plan()          # pressure-driven trigger + plans (destinations reserved)
     mgr.launch(plans)                 # after the forward: ONE compact_kv on the relocation stream
     freed = mgr.commit()              # table updated (its journal tells the mirror), sources freed; ends the step
 
@@ -173,6 +173,11 @@ class ReclamationManager:
             self._record().backpressure = True
         return budget
 
+    def note_waiting(self, blocks: int) -> None:
+        """The blocks the prompts waiting for admission need: the driver's part of the projected demand
+        (it stays until the next call; the engine reports it every step)."""
+        self.trigger.note_waiting(blocks)
+
     # ------------------------------------------------------------- pre-forward
     def before_forward(self) -> bool:
         """I3: enqueue the compute stream's wait on the newest relocation event (no host wait)."""
@@ -185,8 +190,11 @@ class ReclamationManager:
     def maybe_plan(self) -> list[Plan]:
         """Check the trigger (amortized) and plan this step's relocations.
 
-        The trigger: ``F > theta_F`` and ``free < low_watermark`` and at least
-        ``min_gain`` blocks reclaimable. It is evaluated every
+        The trigger: free blocks short of the projected demand (the running
+        requests' growth over ``check_interval`` steps, the waiting prompts of
+        :meth:`note_waiting` and the headroom; at least ``low_watermark``),
+        ``F > theta_F`` and at least ``min_gain`` blocks reclaimable; the plans
+        stop once they cover the shortfall. It is evaluated every
         ``check_interval`` steps, and every step while reclamation is pending.
         Each plan's destinations are reserved (DST_INFLIGHT) from the headroom
         and its sources marked SRC_INFLIGHT, so the plans must be launched (or

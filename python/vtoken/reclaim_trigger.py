@@ -1,16 +1,27 @@
-"""When to reclaim and how much: the amortized trigger, the headroom and the per-step budgets.
+"""When to reclaim and how much: the pressure-driven trigger, the headroom and the per-step budgets.
 
-The trigger fires when ``F > theta_F`` and ``free < low_watermark`` and at
-least ``min_gain`` blocks are reclaimable. It is evaluated every
-``check_interval`` steps, and every step while reclamation is pending. A
-fired step plans request after request, best gain bound first, within two
-budgets: destinations (the headroom, at most the free blocks) and moves
-(``max_moves_per_step``).
+Pressure is a shortfall of free blocks against the projected demand::
+
+    target  = max(low_watermark, growth + waiting + headroom)
+    deficit = target - free
+
+``growth``: the blocks the running requests open if each appends
+``check_interval + S`` more tokens (to its next due check, plus one block
+each: see the NOTE in :class:`ReclaimTrigger`); ``waiting``: the blocks of the prompts the driver could admit next
+(:meth:`ReclaimTrigger.note_waiting`); ``headroom``: the destination reserve.
+The trigger fires when ``deficit > 0``, the waste ratio F exceeds the floor
+``theta_F`` and at least ``min_gain`` blocks are reclaimable. It is evaluated
+every ``check_interval`` steps, and every step while reclamation is pending. A
+fired step plans request after request, best gain bound first, until the plans
+free ``deficit`` blocks net (sized to the need), within two budgets:
+destinations (the headroom, at most the free blocks) and moves
+(``max_moves_per_step``, the rate limit). Without pressure nothing moves.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from vtoken.errors import check_int
 from vtoken.ledger import OWNED
 from vtoken.metrics import StepRecord
 from vtoken.planner import Plan, per_request_gain, select_sources
@@ -31,7 +42,14 @@ class ReclaimTrigger:
         self.table = table
         self.ledger = table.ledger
         self.config = config
-        self.low_watermark, self.headroom = config.resolve(self.ledger.usable_blocks)
+        self.low_watermark, self.headroom = config.resolve(self.ledger.usable_blocks, block_size=table.S)
+        self.waiting_blocks = 0  # blocks of the prompts waiting for admission (note_waiting)
+        # NOTE: the look-ahead covers the steps to the next due check plus S more: over any S steps a
+        # request opens exactly one block, so lockstep requests (the capacity frontier) open theirs all
+        # in one step, and reclamation, which nets ~1 block per S - 1 destinations once holes are
+        # scattered, must start before that burst. With check_interval alone (paper-0.35, 10 requests)
+        # the trigger first fired 1 step before a 10-block burst, too late: the frontier fell to 8.
+        self.lookahead = config.check_interval + table.S
         self.pending = False  # the last trigger check found reclaimable waste
         self._queue = np.zeros(0, dtype=np.int64)  # candidate rows, best gain first (see _scan)
 
@@ -40,12 +58,27 @@ class ReclaimTrigger:
         return self.config.mode == "vtoken"
 
     def reserve_headroom(self) -> None:
-        """Hold the headroom back from admission (vtoken mode only)."""
+        """Hold the headroom back from admission (vtoken mode only); an automatic one follows the running count."""
+        if self.config.headroom_blocks is None:
+            running = len(self.table.requests())
+            self.headroom = self.config.resolve(self.ledger.usable_blocks, block_size=self.table.S,
+                                                running=running)[1]
         if self.reclaims:
             self.ledger.set_reserve(self.headroom)
 
+    def note_waiting(self, blocks: int) -> None:
+        """The blocks the prompts waiting for admission need (the driver's part of the projected demand)."""
+        self.waiting_blocks = check_int("blocks", blocks)
+
+    def deficit(self) -> int:
+        """Blocks short of the projected demand: ``max(low_watermark, growth + waiting + headroom) - free``."""
+        growth = self.table.arena.growth_blocks(self.lookahead)
+        target = max(self.low_watermark, growth + self.waiting_blocks + self.headroom)
+        return target - self.ledger.num_free
+
     def admission_budget(self) -> AdmissionBudget:
-        """Free blocks minus the reserve, and the backpressure flag (O(1))."""
+        """Free blocks minus the reserve, and the backpressure flag (O(running requests))."""
+        self.reserve_headroom()
         led = self.ledger
         bp = bool(self.reclaims and self.pending and led.num_free <= self.low_watermark)
         return AdmissionBudget(free_blocks=led.admission_free, backpressure=bp)
@@ -57,7 +90,8 @@ class ReclaimTrigger:
         due = step % cfg.check_interval == 0
         if not (self.pending or due):
             return []
-        if not (led.waste_ratio > cfg.theta_F and led.num_free < self.low_watermark):
+        need = self.deficit()
+        if not (need > 0 and led.waste_ratio > cfg.theta_F):
             self.pending = False
             return []
         if due or len(self._queue) == 0:
@@ -71,7 +105,7 @@ class ReclaimTrigger:
         busy_rows = executor.busy_rows()
         used = 0
         for row in self._queue.tolist():
-            if dst_budget < 1 or move_budget < 2:
+            if need <= 0 or dst_budget < 1 or move_budget < 2:  # the shortfall is covered, or a budget spent
                 break
             used += 1
             req = table.request_of(row)
@@ -96,6 +130,7 @@ class ReclaimTrigger:
                 used -= 1
                 break
             plans.append(plan)
+            need -= len(plan.src_blocks) - len(plan.dst_blocks)
             dst_budget -= len(plan.dst_blocks)
             move_budget -= plan.num_moves
         self._queue = self._queue[used:]

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence, Union
@@ -275,9 +276,12 @@ class Engine:
     # -------------------------------------------------------------- requests
     @property
     def usable_blocks(self) -> int:
-        """Blocks admission can ever use: all but the null block, less the vtoken headroom reserve."""
-        reserve = self.reclaimer.headroom if self.reclaimer.reclaims else 0
-        return self.table.ledger.usable_blocks - reserve
+        """Blocks one request alone can ever use: all but the null block, less the vtoken headroom reserve
+        (an automatic one sized for that one request)."""
+        led = self.table.ledger
+        reserve = self.config.reclaim.resolve(led.usable_blocks, block_size=self.config.block_size, running=1)[1] \
+            if self.reclaimer.reclaims else 0
+        return led.usable_blocks - reserve
 
     @classmethod
     def from_pretrained(cls, model: str, config: Optional[EngineConfig] = None, *, device="cpu", dtype=None,
@@ -354,6 +358,7 @@ class Engine:
         applied = self._apply_device_victims()
         budget = self.reclaimer.admission_budget()
         admitted = [] if budget.backpressure else self._admit(budget.free_blocks)
+        self.reclaimer.note_waiting(self._waiting_blocks(len(admitted)))
         preempted = 0
         if admitted:
             kind, batch = "prefill", admitted
@@ -416,6 +421,12 @@ class Engine:
                 else None  # the device loop keeps its scores on the device
             admitted.append(req)
         return admitted
+
+    def _waiting_blocks(self, admitting: int) -> int:
+        """Blocks the waiting prompts that free request slots could admit next need (projected demand)."""
+        slots = max(0, self.config.max_num_reqs - len(self.running) - admitting)
+        S = self.config.block_size
+        return sum(cdiv(len(r._pending), S) for r in itertools.islice(self.waiting, slots))
 
     def _preempt(self, req: Request) -> None:
         """Release ``req``'s blocks and queue it first, to recompute everything it has."""

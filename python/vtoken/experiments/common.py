@@ -302,11 +302,11 @@ def reclaim_json(reclaim: Optional[dict] = None) -> dict:
     return dataclasses.asdict(ReclaimConfig(**{**(reclaim or {}), "mode": "vtoken"}))
 
 
-def headroom_blocks(num_blocks: int) -> int:
-    """The vtoken headroom reserve of a pool of ``num_blocks`` (null block included), in blocks."""
-    from vtoken.reclaim import ReclaimConfig
+def headroom_blocks(requests: int, block_size: int) -> int:
+    """The vtoken headroom reserve while ``requests`` run together (the automatic one of the paired runs), in blocks."""
+    from vtoken.reclaim_config import auto_headroom
 
-    return ReclaimConfig(**EAGER_RECLAIM).resolve(num_blocks - 1)[1]
+    return auto_headroom(requests, block_size)
 
 
 def full_blocks(prompt_len: int, output_len: int, block_size: int) -> int:
@@ -314,16 +314,19 @@ def full_blocks(prompt_len: int, output_len: int, block_size: int) -> int:
     return cdiv(prompt_len + output_len - 1, block_size)
 
 
-def fit_num_blocks(requests: int, per_request: int) -> int:
+def fit_num_blocks(requests: int, per_request: int, block_size: int) -> int:
     """The smallest pool (null block included) that holds ``requests x per_request`` blocks in every mode,
-    including vtoken's headroom reserve."""
-    need = requests * per_request
-    # NOTE: the headroom never shrinks as the pool grows, so n = need + 1 + headroom(n) climbs to the
-    # smallest fitting pool from below, in a few steps (the reserve is a small fraction of the pool).
-    n = need + 1
-    while n - 1 - headroom_blocks(n) < need:
-        n = need + 1 + headroom_blocks(n)
-    return n
+    including vtoken's headroom reserve for that many requests."""
+    return requests * per_request + 1 + headroom_blocks(requests, block_size)
+
+
+def max_resident(usable_blocks: int, per_request: int, reserve) -> int:
+    """The most requests of ``per_request`` blocks that fit ``usable_blocks`` at once with ``reserve(C)``
+    blocks held back for C of them (0 for none)."""
+    c = usable_blocks // max(1, per_request)
+    while c > 0 and c * per_request + reserve(c) > usable_blocks:
+        c -= 1
+    return c
 
 
 # ----------------------------------------------------------------------------- paired runs
@@ -336,12 +339,13 @@ class ModeRun:
     summary: dict  # Engine.summary()
     retained_blocks_per_request: float  # blocks held at finish, mean
     utilization: float  # live tokens / (retained blocks * S) at finish
+    steady_utilization: Optional[float]  # pool live / (allocated * S) after each decode step, mean over the 2nd half
     waste_ratio_mean: float  # pool F after each step, mean over steps with blocks allocated
     ideal_blocks_per_request: float  # ceil(live / S) at finish, mean
     peak_blocks: int  # most blocks the pool had allocated at once
     peak_blocks_per_request: int  # most blocks one request held at once (max over requests)
-    usable_blocks: int  # what admission can use in this mode (vtoken: minus the headroom)
-    max_concurrency: int  # usable_blocks // peak_blocks_per_request
+    usable_blocks: int  # what admission can use in this mode with every request running (vtoken: minus the headroom)
+    max_concurrency: int  # the most requests of peak_blocks_per_request that fit with vtoken's headroom for them
     tokens_per_s: float
     seconds: float
     evicted_tokens: int
@@ -355,6 +359,15 @@ class ModeRun:
         return d
 
 
+def steady_utilization(stats: Sequence, block_size: int) -> Optional[float]:
+    """Live / (allocated x S) of the pool after each step that decodes, averaged over the second half of them
+    (the steady state: the prompts' prefill and the first evictions are behind)."""
+    util = [st.live_tokens / (st.allocated_blocks * block_size) for st in stats
+            if st.kind != "prefill" and st.allocated_blocks > 0]
+    tail = util[len(util) // 2:]
+    return float(np.mean(tail)) if tail else None
+
+
 def summarize_mode(eng, outputs: list, seconds: float) -> ModeRun:
     """Read a finished engine into a :class:`ModeRun` (see its fields for the definitions)."""
     fin = eng.finished
@@ -363,14 +376,23 @@ def summarize_mode(eng, outputs: list, seconds: float) -> ModeRun:
     live = np.array([r.live_tokens for r in fin], dtype=np.int64)
     peak_req = max(r.peak_blocks for r in fin)
     s = eng.summary()
+    led = eng.table.ledger
+
+    def reserve(c: int) -> int:  # vtoken's headroom while c requests run
+        if not eng.reclaimer.reclaims:
+            return 0
+        return eng.config.reclaim.resolve(led.usable_blocks, block_size=S, running=c)[1]
+
     return ModeRun(
         mode=eng.mode, outputs=outputs, summary=s,
         retained_blocks_per_request=float(retained.mean()),
         utilization=float(live.sum() / (retained.sum() * S)),
+        steady_utilization=steady_utilization(eng.stats, S),
         waste_ratio_mean=float(eng.reclaimer.metrics.totals.mean_waste_ratio),
         ideal_blocks_per_request=float(np.mean(cdiv(live, S))),
         peak_blocks=int(eng.peak_blocks), peak_blocks_per_request=int(peak_req),
-        usable_blocks=int(eng.usable_blocks), max_concurrency=int(eng.usable_blocks // peak_req),
+        usable_blocks=int(led.usable_blocks - reserve(len(fin))),
+        max_concurrency=max_resident(led.usable_blocks, peak_req, reserve),
         tokens_per_s=float(s["tokens_per_s"]), seconds=float(seconds),
         evicted_tokens=int(sum(st.evicted for st in eng.stats)), engine=eng,
     )

@@ -86,38 +86,15 @@ PRESETS = {
     "paper-0.50": {"num_blocks": 11519, **PAPER_REQUEST},
 }
 
-# Reclamation of the frontier runs: continuous, so that vtoken stays at the packed size.
-# NOTE (measured on paper-0.50 at C = 22, random policy, trace-only; bench/RESULTS.md):
-# - ReclaimConfig's defaults fail at step 17: the 2% reserve (231 blocks) is more
-#   than the slack, and theta_F = 0.25 would never fire anyway, since the steady
-#   state's waste ratio is ~0.2% (theta_F = 0.05 never fires either: fails at step 161);
-# - the trigger is checked every step (check_interval = 1; 8 measured the same,
-#   since a pending reclamation is rechecked every step anyway) at any free count;
-# - the reserve must cover one step's destinations: scattered holes leave sources
-#   with S - 1 live tokens, so one freed block takes ~S - 1 destinations, and C
-#   requests grow by C / S blocks per step, i.e. ~C * (S - 1) / S destinations
-#   per step. Headroom 16 failed at step 609, 24 passed at 519.5 blocks/request,
-#   31 (headroom_for(22, 16)) and 32 at 513.9, the packed size plus the tail.
-FRONTIER_RECLAIM = {
-    "theta_F": 0.0,
-    "low_watermark": 1.0,
-    "headroom_blocks": None,  # None: sized to the concurrency under test (headroom_for)
-    "check_interval": 1,
-    "max_src_per_plan": 256,
-    "max_moves_per_step": 8192,
-    "min_gain": 1,
-    "check_invariants": False,
-}
-HEADROOM_FACTOR = 1.5  # reserve = 1.5x one step's expected destinations (see the NOTE above)
+# The reclamation the presets used to impose before the trigger was driven by memory pressure:
+# continuous (every step, at any free count, down to F = 0). It reached the same frontier; the
+# search runs it a second time for comparison (FrontierConfig.compare_continuous), reporting its
+# write amplification next to the default's.
+CONTINUOUS_RECLAIM = {"theta_F": 0.0, "low_watermark": 1.0, "check_interval": 1}
 # NOTE: peak host memory of a trace-only search per pool slot (num_blocks x S), default request:
 # 299 B (tracemalloc) at 1025 blocks, 179 B at 4097 and 258 B (max RSS growth) at 8193; 320 allows
 # for the spread. The run's table, ledger, trace and probes all grow with the pool.
 TRACE_ONLY_BYTES_PER_SLOT = 320
-
-
-def headroom_for(concurrency: int, block_size: int) -> int:
-    """The default vtoken reserve for ``concurrency`` requests: ``ceil(1.5 * C * (S - 1) / S)``, at least 1."""
-    return max(1, math.ceil(HEADROOM_FACTOR * concurrency * (block_size - 1) / block_size))
 
 
 @dataclass
@@ -138,9 +115,12 @@ class FrontierConfig:
         modes: the modes to search.
         trace_only: drive the runtime without the model (see module docstring).
         seed: seeds the policy, the synthetic attention and the prompts.
-        reclaim: :class:`ReclaimConfig` fields of vtoken mode over
-            :data:`FRONTIER_RECLAIM`; ``headroom_blocks=None`` sizes the
-            reserve to each probe's concurrency (:func:`headroom_for`).
+        reclaim: :class:`ReclaimConfig` fields of vtoken mode over the
+            library's defaults (the pressure-driven trigger, the automatic
+            headroom sized to the running requests).
+        compare_continuous: search vtoken a second time with
+            :data:`CONTINUOUS_RECLAIM` (the presets' former settings) and
+            report both write amplifications.
         max_concurrency: largest C probed (``None``: the analytic bound).
     """
 
@@ -157,6 +137,7 @@ class FrontierConfig:
     seed: int = 0
     reclaim: dict = field(default_factory=dict)
     max_concurrency: Optional[int] = None
+    compare_continuous: bool = True
 
     def __post_init__(self):
         check_int("num_blocks", self.num_blocks, min_value=2)
@@ -189,7 +170,9 @@ class FrontierConfig:
             raise InvalidTypeError(f"reclaim: expected a dict of ReclaimConfig fields, got {type(self.reclaim).__name__}")
         if "mode" in self.reclaim:
             raise InvalidArgumentError("reclaim: expected ReclaimConfig fields without 'mode' (set per mode), got 'mode'")
-        self.reclaim_config("vtoken", 1)  # validates the fields now
+        self.reclaim_config("vtoken")  # validates the fields now
+        if not isinstance(self.compare_continuous, bool):
+            raise InvalidTypeError(f"compare_continuous: expected a bool, got {type(self.compare_continuous).__name__}")
         if self.max_concurrency is not None:
             check_int("max_concurrency", self.max_concurrency, min_value=1)
         self.make_policy()  # validates policy_config now, not in the middle of a search
@@ -228,18 +211,16 @@ class FrontierConfig:
         """KV tokens a request holds at its last step: the last generated token is never fed back."""
         return self.prompt_len + self.output_len - 1
 
-    def reclaim_config(self, mode: str, concurrency: int) -> ReclaimConfig:
-        """The :class:`ReclaimConfig` of ``mode`` for a probe of ``concurrency`` requests."""
-        fields = {**FRONTIER_RECLAIM, **self.reclaim, "mode": mode}
-        if fields["headroom_blocks"] is None:
-            fields["headroom_blocks"] = headroom_for(concurrency, self.block_size)
-        return ReclaimConfig(**fields)
+    def reclaim_config(self, mode: str) -> ReclaimConfig:
+        """The :class:`ReclaimConfig` of ``mode``."""
+        return ReclaimConfig(**{**self.reclaim, "mode": mode})
 
     def headroom(self, mode: str, concurrency: int) -> int:
         """Blocks held back from the requests in ``mode`` (vtoken's reserve; 0 otherwise)."""
         if mode != "vtoken":
             return 0
-        return self.reclaim_config(mode, concurrency).resolve(self.num_blocks - 1)[1]
+        return self.reclaim_config(mode).resolve(self.num_blocks - 1, block_size=self.block_size,
+                                                 running=concurrency)[1]
 
     def make_policy(self):
         """The policy, with the ``kv_budget`` cap.
@@ -260,7 +241,8 @@ class FrontierConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["modes"] = list(self.modes)
-        d["reclaim"] = {**FRONTIER_RECLAIM, **self.reclaim}
+        # every field the vtoken runs used (mode aside: set per mode), so the dict builds the same config back
+        d["reclaim"] = {k: v for k, v in dataclasses.asdict(self.reclaim_config("vtoken")).items() if k != "mode"}
         return d
 
 
@@ -284,8 +266,13 @@ class Probe:
     plans: int
     seconds: float
 
+    @property
+    def write_amplification(self) -> Optional[float]:
+        """Tokens moved per block reclaimed (net), or None when nothing was reclaimed."""
+        return self.relocated_tokens / self.reclaimed_blocks if self.reclaimed_blocks > 0 else None
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "write_amplification": self.write_amplification}
 
 
 @dataclass
@@ -312,10 +299,22 @@ class FrontierResult:
     ideal_max_concurrency: int  # floor(usable blocks / ideal packed)
     policy_decisions: int  # decisions the policy made (trace-only: each replayed in every probe)
     seconds: float
+    continuous: Optional[ModeFrontier] = None  # vtoken searched again with CONTINUOUS_RECLAIM
 
     @property
     def max_concurrency(self) -> dict:
         return {m: f.max_concurrency for m, f in self.modes.items()}
+
+    @property
+    def write_amplification(self) -> dict:
+        """vtoken's tokens moved per block reclaimed at its frontier, with the default reclamation and with
+        the continuous one (when compared)."""
+        out = {}
+        if "vtoken" in self.modes and self.modes["vtoken"].best is not None:
+            out["default"] = self.modes["vtoken"].best.write_amplification
+        if self.continuous is not None and self.continuous.best is not None:
+            out["continuous"] = self.continuous.best.write_amplification
+        return out
 
     @property
     def blocks_per_request(self) -> dict:
@@ -341,6 +340,11 @@ class FrontierResult:
             "utilization_min": per_mode("utilization_min"),
             "headroom_blocks": per_mode("headroom_blocks"),
             "relocated_tokens": per_mode("relocated_tokens"),
+            "reclaimed_blocks": per_mode("reclaimed_blocks"),
+            "write_amplification": self.write_amplification,
+            "continuous_reclaim": None if self.continuous is None else {
+                "settings": dataclasses.asdict(ReclaimConfig(**{**cfg.reclaim, **CONTINUOUS_RECLAIM})),
+                **self.continuous.to_dict()},
             "upper_bound": {m: f.upper_bound for m, f in self.modes.items()},
             "kv_tokens": cfg.kv_tokens,
             "kv_budget": cfg.kv_budget,
@@ -476,7 +480,7 @@ def simulate_trace_only(cfg: FrontierConfig, mode: str, C: int, trace: Optional[
     ledger = BlockLedger(BlockPool(cfg.num_blocks), S)
     table = TokenTable(ledger, initial_tokens=C * cfg.kv_tokens)
     # No KV tensors: the copy engine's CPU path launches and commits every plan, moving no bytes.
-    mgr = ReclamationManager(table, cfg.reclaim_config(mode, C))
+    mgr = ReclamationManager(table, cfg.reclaim_config(mode))
     reqs = list(range(C))
     ones = np.ones(C, dtype=np.int64)
     util: list = []
@@ -557,7 +561,7 @@ def simulate_engine(cfg: FrontierConfig, mode: str, C: int, model, progress=None
     # NOTE: the token budget admits every prompt in the first step, as the trace-only driver does.
     eng = Engine(model, EngineConfig(
         mode=mode, num_blocks=cfg.num_blocks, block_size=S, max_num_reqs=C,
-        max_num_tokens=max(C * P, cfg.kv_tokens), reclaim=cfg.reclaim_config(mode, C),
+        max_num_tokens=max(C * P, cfg.kv_tokens), reclaim=cfg.reclaim_config(mode),
     ), policy=cfg.make_policy() if mode != "native" else None)
     led = eng.table.ledger
     hook = _PeakHook(led)
@@ -617,7 +621,8 @@ def upper_bound(cfg: FrontierConfig, mode: str) -> int:
 
 def max_probes(cfg: FrontierConfig) -> int:
     """The most probes :func:`search_mode` makes over every mode (for a progress bar's total)."""
-    return sum(1 + math.ceil(math.log2(max(upper_bound(cfg, m), 1))) for m in cfg.modes)
+    modes = list(cfg.modes) + (["vtoken"] if compares_continuous(cfg) else [])
+    return sum(1 + math.ceil(math.log2(max(upper_bound(cfg, m), 1))) for m in modes)
 
 
 def search_mode(cfg: FrontierConfig, mode: str, simulate: Callable[[int], Probe], progress=None) -> ModeFrontier:
@@ -655,10 +660,10 @@ def run_frontier(cfg: FrontierConfig, *, model=None, progress=None) -> FrontierR
     if cfg.trace_only:
         check_memory("num_blocks", cfg.num_blocks, cfg.num_blocks * cfg.block_size * TRACE_ONLY_BYTES_PER_SLOT,
                      "trace-only run")
-        trace = VictimTrace(cfg)  # one trace, replayed by every mode at every C
+        trace = VictimTrace(cfg)  # one trace, replayed by every mode at every C (and by the comparison)
 
-        def simulator(mode):
-            return lambda C: simulate_trace_only(cfg, mode, C, trace, progress)
+        def simulator(c, mode):
+            return lambda C: simulate_trace_only(c, mode, C, trace, progress)
     else:
         if model is None:
             from vtoken.experiments.common import ModelSpec
@@ -666,16 +671,30 @@ def run_frontier(cfg: FrontierConfig, *, model=None, progress=None) -> FrontierR
             model = ModelSpec(seed=cfg.seed).build()
         check_kv_cache("num_blocks", cfg.num_blocks, model, cfg.num_blocks, cfg.block_size)
 
-        def simulator(mode):
-            return lambda C: simulate_engine(cfg, mode, C, model, progress)
+        def simulator(c, mode):
+            return lambda C: simulate_engine(c, mode, C, model, progress)
 
-    modes = {m: search_mode(cfg, m, simulator(m), progress) for m in cfg.modes}
+    modes = {m: search_mode(cfg, m, simulator(cfg, m), progress) for m in cfg.modes}
+    continuous = None
+    if compares_continuous(cfg):
+        cont = continuous_config(cfg)
+        continuous = search_mode(cont, "vtoken", simulator(cont, "vtoken"), progress)
     ideal = cdiv(min(cfg.kv_budget, cfg.kv_tokens), cfg.block_size)
     return FrontierResult(
         config=cfg, modes=modes, full_blocks_per_request=cdiv(cfg.kv_tokens, cfg.block_size),
         ideal_packed_blocks_per_request=ideal, ideal_max_concurrency=(cfg.num_blocks - 1) // ideal,
         policy_decisions=trace.decisions if trace is not None else 0, seconds=time.perf_counter() - t0,
+        continuous=continuous,
     )
+
+
+def compares_continuous(cfg: FrontierConfig) -> bool:
+    return cfg.compare_continuous and "vtoken" in cfg.modes
+
+
+def continuous_config(cfg: FrontierConfig) -> FrontierConfig:
+    """``cfg`` with :data:`CONTINUOUS_RECLAIM` over its reclaim fields (the comparison search)."""
+    return dataclasses.replace(cfg, reclaim={**cfg.reclaim, **CONTINUOUS_RECLAIM}, compare_continuous=False)
 
 
 # --------------------------------------------------------------------------- output
@@ -690,17 +709,23 @@ def format_result(res: FrontierResult) -> str:
         f"  a request: {res.full_blocks_per_request} blocks in full, {res.ideal_packed_blocks_per_request} packed; "
         f"ideal packed bound: {res.ideal_max_concurrency} requests",
         f"  {'mode':<7} {'max C':>5} {'blocks/req':>10} {'at end':>7} {'util.':>7} {'headroom':>8} "
-        f"{'relocated':>10}  probes (C: ok / x)",
+        f"{'relocated':>10} {'moves/blk':>9}  probes (C: ok / x)",
     ]
-    for m, f in res.modes.items():
+    rows = list(res.modes.items()) + ([("vtoken*", res.continuous)] if res.continuous is not None else [])
+    for m, f in rows:
         b = f.best
+        wa = b.write_amplification if b else None
         probes = " ".join(f"{p.concurrency}:{'ok' if p.feasible else 'x'}" for p in f.probes)
         lines.append(
             f"  {m:<7} {f.max_concurrency:>5} {(f'{b.blocks_per_request:.1f}' if b else '-'):>10} "
             f"{(f'{b.final_blocks_per_request:.1f}' if b else '-'):>7} "
             f"{(f'{100 * b.utilization_mean:.2f}%' if b and b.utilization_mean is not None else '-'):>7} "
-            f"{(b.headroom_blocks if b else '-'):>8} {(b.relocated_tokens if b else '-'):>10}  {probes}"
+            f"{(b.headroom_blocks if b else '-'):>8} {(b.relocated_tokens if b else '-'):>10} "
+            f"{(f'{wa:.1f}' if wa is not None else '-'):>9}  {probes}"
         )
+    if res.continuous is not None:
+        lines.append("  vtoken*: continuous reclamation (every step, down to F = 0), the presets' former settings; "
+                     "moves/blk: tokens moved per block reclaimed (net)")
     lines.append("  blocks/req: peak blocks per request; util.: live / (allocated x S) after reclamation, "
                  f"steady state (2nd half); {res.seconds:.1f} s")
     return "\n".join(lines)

@@ -103,7 +103,8 @@ class PrefixConfig:
     def num_blocks(self) -> int:
         """A pool that holds every request unevicted and unshared (nothing ever runs out)."""
         return fit_num_blocks(self.requests,
-                              full_blocks(self.prefix_len + self.suffix_len, self.output_len, self.block_size))
+                              full_blocks(self.prefix_len + self.suffix_len, self.output_len, self.block_size),
+                              self.block_size)
 
 
 @dataclass

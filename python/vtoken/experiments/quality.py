@@ -188,7 +188,8 @@ def run_quality(cfg: QualityConfig, *, progress: Optional[Progress] = None) -> Q
     texts = workload_texts(cfg.prompts)
     prompts = workload_prompts(len(texts), tokenizer=tokenizer, texts=texts)
     lens = [len(p) for p in prompts]
-    num_blocks = fit_num_blocks(len(prompts), full_blocks(max(lens), cfg.max_new_tokens, cfg.block_size))
+    num_blocks = fit_num_blocks(len(prompts), full_blocks(max(lens), cfg.max_new_tokens, cfg.block_size),
+                                cfg.block_size)
     check_kv_cache("block_size", cfg.block_size, model, num_blocks, cfg.block_size)
     engine_cfg = resident_engine_config(prompts, cfg.max_new_tokens, num_blocks=num_blocks,
                                         block_size=cfg.block_size, reclaim=dict(EAGER_RECLAIM), eos_token_id=eos)

@@ -82,7 +82,8 @@ class RetainedConfig:
     @property
     def num_blocks(self) -> int:
         """A pool that holds every request unevicted, in every mode (nothing queues)."""
-        return fit_num_blocks(self.requests, full_blocks(self.prompt_len, self.output_len, self.block_size))
+        return fit_num_blocks(self.requests, full_blocks(self.prompt_len, self.output_len, self.block_size),
+                              self.block_size)
 
 
 @dataclass
@@ -112,7 +113,7 @@ def run_retained(cfg: RetainedConfig, *, progress: Optional[Progress] = None) ->
     prompts = workload_prompts(cfg.requests, tokenizer=tokenizer, texts=cfg.prompts, length=cfg.prompt_len,
                                vocab_size=model.config.vocab_size, seed=cfg.seed)
     lens = [len(p) for p in prompts]
-    num_blocks = fit_num_blocks(cfg.requests, full_blocks(max(lens), cfg.output_len, cfg.block_size))
+    num_blocks = fit_num_blocks(cfg.requests, full_blocks(max(lens), cfg.output_len, cfg.block_size), cfg.block_size)
     check_kv_cache("requests", cfg.requests, model, num_blocks, cfg.block_size)
     engine_cfg = resident_engine_config(prompts, cfg.output_len, num_blocks=num_blocks, block_size=cfg.block_size,
                                         reclaim=dict(EAGER_RECLAIM))

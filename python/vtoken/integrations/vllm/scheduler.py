@@ -29,6 +29,7 @@ Nothing here touches a tensor.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 import numpy as np
@@ -47,6 +48,7 @@ from vtoken.table import TokenTable
 # may evict: its cache_blocks (allocate_slots, and the async scheduler's output
 # path) then hashes nothing more for it, within the same schedule too.
 NEVER_HASH_MORE = 1 << 62
+VLLM_HEADROOM_SHARE = 0.02  # the headroom stash when the config leaves it automatic (see bind)
 
 
 @dataclass
@@ -96,6 +98,11 @@ class SchedulerSide:
         from vtoken.reclaim import ReclamationManager
 
         usable = int(self.pool.num_gpu_blocks) - 1
+        if self.reclaim_config.headroom_blocks is None:
+            # NOTE: here the headroom is a physical stash taken out of vLLM's free queue once, at bind; it
+            # cannot follow the running count as the embedded engine's automatic one does, so it keeps a
+            # fixed share of the pool (the former library default).
+            self.reclaim_config = dataclasses.replace(self.reclaim_config, headroom_blocks=VLLM_HEADROOM_SHARE)
         _, headroom = self.reclaim_config.resolve(usable)
         self.alloc = VLLMBlockAllocator(self.pool, headroom=headroom if self.config.mode == "vtoken" else 0)
         self.ledger = BlockLedger(self.alloc, self.S)
