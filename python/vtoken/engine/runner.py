@@ -52,7 +52,7 @@ from vtoken.buffers import DeviceMirror, SlotListBuffers
 from vtoken.copy_engine import StagingRing
 from vtoken.engine.kv_cache import KV_LAYOUTS
 from vtoken.engine.model import LlamaModel, ModelOutput, StepInputs
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int, is_int
 from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
 from vtoken.step_graphs import padded_batch_sizes
@@ -144,10 +144,11 @@ class StepResult:
             (rows ``kv_indptr[-1]:`` are padding).
         slot_mapping: int32 host ``[T]``: where the new tokens' K/V went.
         window_votes: device float32 ``[nnz_max, num_kv_heads]`` for a prefill run
-            with ``window > 0``: the attention the request's last ``window`` new
-            queries give each listed key, summed over layers, queries and each
-            GQA group (SnapKV's votes), rows as ``kv_indices`` (zero past
-            ``kv_indptr[-1]``). :attr:`window_scores` is the same per request on the host.
+            with a window: the attention a request's last ``window`` new queries
+            give each of its listed keys, summed over layers, queries and each
+            GQA group (SnapKV's votes), rows as ``kv_indices`` (zero for the
+            requests with no window and past ``kv_indptr[-1]``). :attr:`window_scores`
+            is the same per request on the host.
         graph: True when the step replayed a CUDA graph.
     """
 
@@ -264,16 +265,24 @@ class ModelRunner:
 
         Works for a first prompt, a prompt chunk, or a recompute after
         preemption: the tokens go after what the request already holds, at the
-        next logical positions. ``window > 0`` also returns each request's
-        observation-window votes (``StepResult.window_votes``). ``score_sink``:
+        next logical positions. ``window > 0`` also returns the
+        observation-window votes (``StepResult.window_votes``): one int for every
+        request, or one per request (0: none; a chunked prefill asks only for
+        the requests whose prompt the step completes). ``score_sink``:
         an object whose ``token_mass`` (float32, indexed by mirror position) the
         step's attention adds every listed key's mass into (e.g. a
         :class:`vtoken.decision_loop.DecisionLoop`). Returns
         ``None``, with nothing changed, when the block budget cannot hold the
         new tokens.
         """
-        window = check_int("window", window)
         reqs = list(reqs)
+        if is_int(window):
+            window = np.full(len(reqs), check_int("window", window), dtype=np.int64)
+        else:
+            window = as_index_array("window", window)
+            if window.shape != (len(reqs),) or (window.size and window.min() < 0):
+                raise InvalidArgumentError(f"window: expected an int >= 0 or {len(reqs)} of them (one per request), "
+                                           f"got {window.tolist()[:8]}")
         if len(token_ids) != len(reqs):
             raise InvalidArgumentError(f"token_ids: expected {len(reqs)} arrays (one per request), got {len(token_ids)}")
         toks = [as_index_array(f"token_ids[{i}]", t, allow_empty=False) for i, t in enumerate(token_ids)]
@@ -294,10 +303,12 @@ class ModelRunner:
         return self._step(reqs, [ids[i : i + 1] for i in range(len(ids))], decode=True, all_logits=False,
                           score_sink=score_sink)
 
-    def _step(self, reqs: list, toks: list, *, decode: bool, all_logits: bool, window: int = 0,
+    def _step(self, reqs: list, toks: list, *, decode: bool, all_logits: bool, window: Optional[np.ndarray] = None,
               score_sink=None) -> Optional[StepResult]:
         cfg, table = self.config, self.table
         nreq = len(reqs)
+        if window is not None and not window.any():
+            window = None
         if nreq == 0:
             raise InvalidArgumentError("reqs: expected at least one request, got none")
         if nreq > cfg.max_num_reqs:
@@ -345,8 +356,8 @@ class ModelRunner:
             self.num_graph_replays += 1
         else:
             step = self._step_inputs(nreq, total, decode)
-            if window:
-                n_win = np.minimum(counts, window)
+            if window is not None:
+                n_win = np.minimum(counts, window)  # 0 for a request with no window: no rows
                 rows = np.repeat(q_indptr[1:] - n_win, n_win) + np.arange(int(n_win.sum())) - np.repeat(
                     np.cumsum(n_win) - n_win, n_win)
                 step.window_indices = torch.from_numpy(rows).to(self.device)
@@ -357,26 +368,33 @@ class ModelRunner:
             key_scores=out.key_scores, layer_key_scores=out.layer_key_scores, all_logits=out.all_logits,
             graph=graph,
         )
-        if window:
+        if window is not None:
             result.window_votes = self._window_votes(reqs, out.window_queries, n_win, positions[rows])
         for h in self.hooks:
             h.post_forward(self, result)
         return result
 
     def _window_votes(self, reqs, queries: torch.Tensor, n_win: np.ndarray, q_pos: np.ndarray) -> torch.Tensor:
-        """Window queries vs each request's live keys, every layer, summed: packed like kv_indices (device).
+        """Window queries vs each windowed request's live keys, every layer, summed: rows as kv_indices (device).
 
         NOTE: the keys come from the host table's live slots, in the slot lists'
-        order; a prefill's requests have no victims pending on the device (the
-        engine admits them fresh), so both list the same keys.
+        order. A request with a window completes a fresh prompt (the engine
+        evicts nothing before a prompt completes), so the device lists the same
+        keys for it. Its rows start at the DEVICE's ``kv_indptr``: a request
+        before it in a mixed batch may hold victims the device killed and the
+        host has not applied yet, which shifts the device offsets.
         """
         from vtoken.policies.scores import window_key_scores
 
         S = self.config.block_size
         views = [self.layout.canonical_view(c) for c in self.kv_caches]
-        out, lo = [], 0
+        votes = torch.zeros(self.slot_lists.nnz_max, self.model.config.num_kv_heads, dtype=torch.float32,
+                            device=self.device)
+        lo = 0
         for i, req in enumerate(reqs):
             hi = lo + int(n_win[i])
+            if hi == lo:
+                continue
             slots = torch.from_numpy(self.table.live_slots(req).astype(np.int64)).to(self.device)
             key_ids = self.table.live_ids(req)
             total = None
@@ -384,12 +402,9 @@ class ModelRunner:
                 keys = view[slots // S, slots % S, 0]  # [n_live, Hkv, D]
                 s = window_key_scores(queries[layer, lo:hi], keys, key_ids=key_ids, query_ids=q_pos[lo:hi])
                 total = s if total is None else total + s
-            out.append(total)
+            rows = self.slot_lists.kv_indptr[i].to(torch.int64) + torch.arange(len(key_ids), device=self.device)
+            votes.index_copy_(0, rows, total.to(torch.float32))
             lo = hi
-        votes = torch.zeros(self.slot_lists.nnz_max, self.model.config.num_kv_heads, dtype=torch.float32,
-                            device=self.device)
-        packed = torch.cat(out)
-        votes[: packed.shape[0]] = packed
         return votes
 
     # -------------------------------------------------------------- buffers
