@@ -136,6 +136,7 @@ class ScoreAccumulator:
         self._last_ids = np.zeros(0, dtype=np.int64)  # [n_live at the last update]
         self._last_vals = np.zeros(0, dtype=np.float64)  # [n_live at the last update]
         self._ring: deque = deque()  # (packed low mask over ids [0, len), len) per update
+        self._deferred = np.zeros(0, dtype=np.float64)  # [ids] prompt-chunk masses held for the next update
 
     @property
     def capacity(self) -> int:
@@ -145,7 +146,7 @@ class ScoreAccumulator:
     def nbytes(self) -> int:
         ring = sum(m.nbytes for m, _ in self._ring)
         return self._acc.nbytes + self._low.nbytes + self._first.nbytes + self._last_ids.nbytes + \
-            self._last_vals.nbytes + ring
+            self._last_vals.nbytes + self._deferred.nbytes + ring
 
     def _grow(self, size: int) -> None:
         if size <= self._acc.size:
@@ -169,6 +170,9 @@ class ScoreAccumulator:
         """
         ids = check_live_ids("token_ids", token_ids)
         s = _row_scores("key_scores", key_scores, ids.size)
+        if self._deferred.size:
+            s = s + self._gather(self._deferred, ids, 0.0)
+            self._deferred = np.zeros(0, dtype=np.float64)
         if ids.size == 0:
             self.steps += 1
             return
@@ -187,6 +191,23 @@ class ScoreAccumulator:
             self._ring.append((np.packbits(low), span))
             self._low[:span] += low
         self.steps += 1
+
+    def defer(self, token_ids, key_scores) -> None:
+        """Hold a step's scores for the next :meth:`update`, which adds them into its own (no update here).
+
+        A chunked prefill defers every chunk of a prompt but the last, so the
+        prompt is ONE update whatever the chunking, as an unchunked prefill
+        gives (the device loop's ``DecisionLoop.decide(defer=...)``). Arguments
+        as :meth:`update`; the ids stay live until that update (nothing is
+        evicted inside a prompt).
+        """
+        ids = check_live_ids("token_ids", token_ids)
+        s = _row_scores("key_scores", key_scores, ids.size)
+        if ids.size == 0:
+            return
+        if self._deferred.size <= ids[-1]:
+            self._deferred = np.concatenate([self._deferred, np.zeros(int(ids[-1]) + 1 - self._deferred.size)])
+        self._deferred[ids] += s
 
     def _ids(self, token_ids) -> np.ndarray:
         ids = as_index_array("token_ids", token_ids)
@@ -226,7 +247,7 @@ class ScoreAccumulator:
         return np.divide(low, seen, out=np.zeros(low.shape, np.float64), where=seen > 0)
 
 
-def accumulate_batch(accumulators, token_ids, key_scores, kv_indptr) -> None:
+def accumulate_batch(accumulators, token_ids, key_scores, kv_indptr, defer=None) -> None:
     """Feed one step of a batch: request r gets rows ``kv_indptr[r]:kv_indptr[r+1]``.
 
     Parameters
@@ -238,6 +259,9 @@ def accumulate_batch(accumulators, token_ids, key_scores, kv_indptr) -> None:
     key_scores : float tensor [nnz_max, num_kv_heads]
         From ``token_attention(..., return_key_scores=True)``; copied to the host once.
     kv_indptr : int tensor/array [>= num_reqs + 1]
+    defer : bool array [num_reqs], optional
+        Requests in the middle of their prompt: their rows are held for their
+        next update (:meth:`ScoreAccumulator.defer`) instead of making one.
     """
     if len(token_ids) != len(accumulators):
         raise InvalidArgumentError(
@@ -255,9 +279,12 @@ def accumulate_batch(accumulators, token_ids, key_scores, kv_indptr) -> None:
         raise InvalidArgumentError(
             f"kv_indptr: expected non-decreasing offsets within [0, {rows.shape[0]}], got {bounds.tolist()[:8]}"
         )
+    defer = np.zeros(len(accumulators), dtype=bool) if defer is None else np.asarray(defer)
+    if defer.dtype != np.bool_ or defer.shape != (len(accumulators),):
+        raise InvalidArgumentError(f"defer: expected {len(accumulators)} bools, got {defer.dtype} {defer.shape}")
     for r, (acc, ids) in enumerate(zip(accumulators, token_ids)):
         if acc is not None:
-            acc.update(ids, rows[bounds[r]: bounds[r + 1]])
+            (acc.defer if defer[r] else acc.update)(ids, rows[bounds[r]: bounds[r + 1]])
 
 
 def window_key_scores(queries, keys, *, key_ids=None, query_ids=None, scale: float | None = None,
