@@ -2,23 +2,29 @@
 
 One :class:`Engine` step is ONE forward (docs/architecture.md §6, §7):
 
-1. **Admission.** ``ReclamationManager.admission_budget()`` gives the free
-   blocks minus the headroom reserve and the backpressure flag. Under
-   backpressure (reclamation pending and free blocks at or below the low
-   watermark) nothing new is admitted. Otherwise waiting requests are
-   admitted FIFO while their prompt's blocks fit the budget, the running set
-   stays within ``max_num_reqs`` and the prefill stays within
-   ``max_num_tokens``. If any request was admitted, the step is their prefill
-   (prefill first, as vLLM's default scheduler); else it decodes every
-   running request.
+1. **Admission and batch composition** (:mod:`vtoken.engine.batch_plan`).
+   ``ReclamationManager.admission_budget()`` gives the free blocks minus the
+   headroom reserve and the backpressure flag. Under backpressure
+   (reclamation pending and free blocks at or below the low watermark)
+   nothing new is admitted. Otherwise waiting requests are admitted FIFO
+   while their prompt's blocks fit the budget and the running set stays
+   within ``max_num_reqs``. By default a step is either the whole-prompt
+   prefill of the requests it admits (within ``max_num_tokens``; prefill
+   first, as vLLM's default scheduler) or a decode of every running request.
+   With ``chunked_prefill=True``, ``max_num_tokens`` is a per-step token
+   budget shared by decode tokens, prompt chunks and new admissions, and one
+   step may mix them (vLLM's chunked prefill).
 2. **Forward.** ``before_forward()`` (the compute stream waits on the last
-   relocation), then the runner's prefill or decode (CUDA graph on GPU). When a
-   decode cannot get a block for every request, the most recently admitted
-   request is preempted BY RECOMPUTE: its blocks are released and it goes
-   back to the front of the queue with every token it has (prompt + output) as
-   its new prompt; the decode retries without it.
-3. **Sampling and eviction.** Greedy tokens. In ``naive`` and ``vtoken`` modes
-   the policy then decides for each unfinished request. With
+   relocation), then the runner's prefill (any mix of chunks and decode
+   tokens) or, for a pure decode step, its decode (CUDA graph on GPU). When
+   the step cannot get a block for every request, the most recently admitted
+   request is shed: one admitted in this very step goes back to the queue's
+   head; a running one is preempted BY RECOMPUTE: its blocks are released and
+   it goes back to the front of the queue with every token it has (prompt +
+   output) as its new prompt; the step retries without it.
+3. **Sampling and eviction.** Greedy tokens (a request in the middle of its
+   prompt samples nothing). In ``naive`` and ``vtoken`` modes the policy then
+   decides for each unfinished request whose prompt is complete. With
    ``decision="device"`` (the default) a :class:`~vtoken.decision_loop.DecisionLoop`
    decides for the whole batch on the device (the attention added every key's
    mass into its per-token buffer; SnapKV's window votes stay on the device),
@@ -66,11 +72,13 @@ from typing import Any, Hashable, Optional, Sequence, Union
 import numpy as np
 
 from vtoken import cdiv
+from vtoken.engine.batch_plan import BatchLimits, BatchPlan, SeqState, plan_batch
 from vtoken.engine.model import LlamaModel
 from vtoken.decision_loop import DecisionLoop
 from vtoken.engine.runner import ModelRunner, RunnerConfig, StepResult
+from vtoken.engine.step_eviction import StepEviction
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int, is_int
-from vtoken.policies import AT_MODES, EvictionPolicy, ReplayPolicy, TraceRecorder, accumulate_batch, decision_plan
+from vtoken.policies import AT_MODES, EvictionPolicy, ReplayPolicy, TraceRecorder
 from vtoken.policies import get as get_policy
 from vtoken.reclaim import MODES, ReclaimConfig, ReclamationManager
 
@@ -87,7 +95,12 @@ class EngineConfig:
         num_blocks / block_size / layout: the KV cache (block 0 is the null
             block; the budget is ``num_blocks - 1`` blocks).
         max_num_reqs: most requests running at once (and the largest decode graph).
-        max_num_tokens: most prefill tokens per step (a prompt must fit).
+        max_num_tokens: most prefill tokens per step (a prompt must fit); with
+            ``chunked_prefill``, the per-step budget of ALL new tokens (vLLM's
+            ``max_num_batched_tokens``; at least ``max_num_reqs``, and at least
+            SnapKV's ``window``), and a prompt no longer has to fit.
+        chunked_prefill: mix decode tokens and prompt chunks in one step within
+            ``max_num_tokens`` (:mod:`vtoken.engine.batch_plan`); off by default.
         policy / policy_config: a registered policy name and its config
             (``vtoken.policies.get``); ignored in ``native`` mode. A policy
             object can be passed to :class:`Engine` instead.
@@ -121,12 +134,17 @@ class EngineConfig:
     cpu_threads: Optional[int] = 1
     decision: str = "device"
     decision_graph: bool = False
+    chunked_prefill: bool = False
 
     def __post_init__(self):
         if self.decision not in ("device", "host"):
             raise InvalidArgumentError(f"decision: expected 'device' or 'host', got {self.decision!r}")
         if not isinstance(self.decision_graph, bool):
             raise InvalidTypeError(f"decision_graph: expected a bool, got {type(self.decision_graph).__name__}")
+        if not isinstance(self.chunked_prefill, bool):
+            raise InvalidTypeError(f"chunked_prefill: expected a bool, got {type(self.chunked_prefill).__name__}")
+        if self.chunked_prefill:  # its token budget's rules (whole-prompt configs are checked by the runner)
+            BatchLimits(self.max_num_reqs, self.max_num_tokens, self.block_size, chunked=True)
         if self.mode not in MODES:
             raise InvalidArgumentError(f"mode: expected one of {MODES}, got {self.mode!r}")
         if self.cpu_threads is not None:
@@ -163,6 +181,7 @@ class Request:
     peak_blocks: int = 0  # most blocks it held at once
     accumulator: Any = None
     _pending: Optional[np.ndarray] = None  # tokens to prefill (prompt, or everything on recompute)
+    _prefilled: int = 0  # of _pending, the tokens already run (chunked prefill)
 
     @property
     def finished(self) -> bool:
@@ -178,7 +197,7 @@ class StepStats:
     """What one engine step did (host wall-clock, blocks after the step)."""
 
     step: int
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill", "decode" or "mixed" (what ran; as planned when nothing could run)
     num_reqs: int
     num_tokens: int
     preempted: int
@@ -188,6 +207,13 @@ class StepStats:
     free_blocks: int
     backpressure: bool
     seconds: float
+
+
+def _seq_state(req: Request) -> SeqState:
+    """A running request as the batch planner sees it (a complete prompt: it decodes)."""
+    if req._pending is None:
+        return SeqState(req.request_id, 0)
+    return SeqState(req.request_id, len(req._pending), req._prefilled)
 
 
 class Engine:
@@ -239,6 +265,9 @@ class Engine:
         if self.decides_at not in AT_MODES:
             raise InvalidArgumentError(f"policy: expected a trace recorded at one of {AT_MODES}, "
                                        f"got at={self.decides_at!r}")
+        self.limits = BatchLimits(config.max_num_reqs, config.max_num_tokens, config.block_size,
+                                  chunked=config.chunked_prefill,
+                                  min_final_chunk=self._window if config.chunked_prefill else 0)
         on_device = config.decision == "device" and isinstance(decider, EvictionPolicy)
         runner_config = RunnerConfig(
             num_blocks=config.num_blocks, block_size=config.block_size, layout=config.layout,
@@ -253,6 +282,7 @@ class Engine:
         self._score_sink = self.decisions if on_device and source == "exact" else None
         if self.trace is not None and on_device:
             self.trace.meta["host_apply_delay"] = 1
+        self.eviction = StepEviction(self.policy, self.decisions, self.trace, self.runner, self.decides_at)
         self.reclaimer = ReclamationManager(
             self.table, config.reclaim, kv_caches=self.runner.kv_caches, layout=self.runner.layout,
             mirror=self.runner.mirror, device=self.runner.device,
@@ -313,17 +343,18 @@ class Engine:
         return as_index_array(arg, prompt, allow_empty=False)
 
     def _checked_prompt(self, prompt, max_new_tokens, arg: str = "prompt") -> np.ndarray:
-        """``prompt`` as token ids that fit one prefill and the block budget (a typed error naming ``arg`` if not)."""
+        """``prompt`` as token ids that fit the block budget and, without chunked prefill, one prefill
+        (a typed error naming ``arg`` if not)."""
         prompt = self.encode(prompt, arg=arg)
         check_int("max_new_tokens", max_new_tokens, min_value=1)
         vocab = self.runner.model.config.vocab_size
         if prompt.min() < 0 or prompt.max() >= vocab:
             raise InvalidArgumentError(f"{arg}: expected token ids in [0, {vocab}), got {prompt[(prompt < 0) | (prompt >= vocab)][:8].tolist()}")
         longest = len(prompt) + int(max_new_tokens) - 1  # what a recompute may have to prefill
-        if longest > self.config.max_num_tokens:
+        if not self.limits.chunked and longest > self.config.max_num_tokens:
             raise InvalidArgumentError(
                 f"{arg}: expected len(prompt) + max_new_tokens - 1 <= max_num_tokens ({self.config.max_num_tokens}) "
-                f"so a recompute fits one prefill, got {longest}"
+                f"so a recompute fits one prefill (or chunked_prefill=True), got {longest}"
             )
         if cdiv(longest, self.config.block_size) > self.usable_blocks:
             raise InvalidArgumentError(
@@ -334,7 +365,7 @@ class Engine:
 
     def add_request(self, prompt, max_new_tokens: int, request_id: Optional[Hashable] = None) -> Hashable:
         """Queue a request (token ids, or text / chat messages with a tokenizer); returns its id.
-        The prompt must fit one prefill and the block budget."""
+        The prompt must fit the block budget and, without chunked prefill, one prefill."""
         prompt = self._checked_prompt(prompt, max_new_tokens)
         if request_id is None:
             while self._next_id in self.requests:
@@ -355,49 +386,26 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one engine step (one forward); returns the requests that finished in it."""
         t0 = time.perf_counter()
-        applied = self._apply_device_victims()
+        applied = self.eviction.apply_device_victims()
         budget = self.reclaimer.admission_budget()
-        admitted = [] if budget.backpressure else self._admit(budget.free_blocks)
+        plan = plan_batch([_seq_state(r) for r in self.running],
+                          (SeqState(r.request_id, len(r._pending)) for r in self.waiting), self.limits,
+                          free_blocks=budget.free_blocks, backpressure=budget.backpressure)
+        admitted = self._admit(plan)
         self.reclaimer.note_waiting(self._waiting_blocks(len(admitted)))
-        preempted = 0
-        if admitted:
-            kind, batch = "prefill", admitted
-            for r in admitted:
-                self.runner.add_request(r.request_id)
-            self.reclaimer.before_forward()
-            res = self.runner.prefill([r.request_id for r in admitted], [r._pending for r in admitted],
-                                      window=self._window, score_sink=self._score_sink)
-            if res is None:  # the budget said they fit: only foreign allocations can get here
-                for r in reversed(admitted):
-                    self.runner.finish(r.request_id)
-                    self.waiting.appendleft(r)
-                batch, res = [], None
-            else:
-                new_counts = [len(r._pending) for r in admitted]
-                self.running.extend(admitted)
-        else:
-            kind, batch = "decode", list(self.running)
-            res = None
-            while batch:
-                self.reclaimer.before_forward()
-                res = self.runner.decode([r.request_id for r in batch], [r.output[-1] for r in batch],
-                                         score_sink=self._score_sink)
-                if res is not None:
-                    break
-                victim = batch.pop()  # the most recently admitted
-                self._preempt(victim)
-                preempted += 1
-            new_counts = [1] * len(batch)
+        batch = [(self.requests[c.request_id], c) for c in plan.chunks]  # (request, its Chunk)
+        res, preempted = self._forward(batch)
         done, evicted = [], 0
         if res is not None and batch:
-            done, evicted = self._after_forward(batch, res, new_counts, prompt_done=kind == "prefill")
+            done, evicted = self._after_forward(batch, res)
         self.reclaimer.launch(self.reclaimer.maybe_plan())
         self.reclaimer.commit()
         led = self.table.ledger
         self.peak_blocks = max(self.peak_blocks, led.num_allocated)
         self.peak_running = max(self.peak_running, len(self.running))
+        kind = BatchPlan(tuple(c for _, c in batch)).kind if batch else plan.kind
         self.stats.append(StepStats(
-            step=self.step_count, kind=kind, num_reqs=len(batch), num_tokens=int(sum(new_counts)) if batch else 0,
+            step=self.step_count, kind=kind, num_reqs=len(batch), num_tokens=sum(c.num_tokens for _, c in batch),
             preempted=preempted, evicted=evicted + applied, allocated_blocks=led.num_allocated,
             live_tokens=int(led.total_live), free_blocks=led.num_free, backpressure=budget.backpressure,
             seconds=time.perf_counter() - t0,
@@ -405,22 +413,49 @@ class Engine:
         self.step_count += 1
         return done
 
-    def _admit(self, free_blocks: int) -> list[Request]:
-        cfg, S = self.config, self.config.block_size
-        admitted, tokens = [], 0
-        while self.waiting and len(self.running) + len(admitted) < cfg.max_num_reqs:
-            req = self.waiting[0]
-            n = len(req._pending)
-            need = cdiv(n, S)
-            if need > free_blocks or tokens + n > cfg.max_num_tokens:
-                break
-            self.waiting.popleft()
-            free_blocks -= need
-            tokens += n
+    def _admit(self, plan: BatchPlan) -> list[Request]:
+        """Move the plan's admitted requests (the queue's head, in order) to the running set, registered."""
+        admitted = []
+        for rid in plan.admitted:
+            req = self.waiting.popleft()
+            assert req.request_id == rid, "the plan admits the queue's head, in order"
             req.accumulator = self.policy.make_accumulator() if self.policy is not None and self.decisions is None \
                 else None  # the device loop keeps its scores on the device
+            self.runner.add_request(rid)
             admitted.append(req)
+        self.running.extend(admitted)
         return admitted
+
+    def _forward(self, batch: list) -> tuple[Optional[StepResult], int]:
+        """Run ``batch`` (shrunk in place); when blocks run out, shed its last (most recently admitted)
+        request and retry. Returns the result (None: nothing ran) and the preemptions."""
+        preempted = 0
+        while batch:
+            self.reclaimer.before_forward()
+            reqs = [r.request_id for r, _ in batch]
+            if all(c.decode for _, c in batch):
+                res = self.runner.decode(reqs, [r.output[-1] for r, _ in batch], score_sink=self._score_sink)
+            else:
+                toks = [np.asarray(r.output[-1:]) if c.decode else
+                        r._pending[r._prefilled: r._prefilled + c.num_tokens] for r, c in batch]
+                window = [self._window if c.completes_prompt else 0 for _, c in batch]  # SnapKV votes once
+                res = self.runner.prefill(reqs, toks, window=window, score_sink=self._score_sink)
+            if res is not None:
+                return res, preempted
+            req, chunk = batch.pop()
+            if not chunk.admitted:
+                self._preempt(req)
+                preempted += 1
+                continue
+            shed = [req]  # admitted this step: back to the queue's head
+            if not self.limits.chunked:  # whole prompts: admission checked their blocks, so only foreign
+                shed += [r for r, _ in reversed(batch)]  # allocations get here; shed them all
+                batch.clear()
+            for r in shed:
+                self.runner.finish(r.request_id)
+                self.running.remove(r)
+                self.waiting.appendleft(r)
+        return None, preempted
 
     def _waiting_blocks(self, admitting: int) -> int:
         """Blocks the waiting prompts that free request slots could admit next need (projected demand)."""
@@ -433,35 +468,39 @@ class Engine:
         self.runner.finish(req.request_id)
         self.running.remove(req)
         req._pending = np.concatenate([req.prompt, np.asarray(req.output, dtype=np.int64)])
+        req._prefilled = 0
         req.num_preemptions += 1
         req.accumulator = None
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _after_forward(self, batch: list[Request], res: StepResult, new_counts: list, *,
-                       prompt_done: bool) -> tuple[list, int]:
+    def _after_forward(self, batch: list, res: StepResult) -> tuple[list, int]:
         now = time.perf_counter()
         nxt = res.next_tokens()
         table, eos = self.table, self.config.eos_token_id
         done = []
-        for i, r in enumerate(batch):
-            r._pending = None
+        # The step's new tokens as the policy sees them: a completed prompt is new as a whole (as unchunked).
+        num_new = np.array([c.num_tokens for _, c in batch], dtype=np.int64)
+        for i, (r, c) in enumerate(batch):
+            r.peak_blocks = max(r.peak_blocks, table.held_blocks(r.request_id))
+            if not c.decode:
+                if not c.completes_prompt:
+                    r._prefilled += c.num_tokens
+                    continue  # mid-prompt: its logits are ignored
+                num_new[i] = len(r._pending)
+                r._pending, r._prefilled = None, 0
             r.output.append(int(nxt[i]))
             if r.first_token_time is None:
                 r.first_token_time = now
-            r.peak_blocks = max(r.peak_blocks, table.held_blocks(r.request_id))
             if len(r.output) >= r.max_new_tokens or (eos is not None and r.output[-1] == eos):
                 done.append(r)
         evicted = 0
         if self.policy is not None:
-            # every request of a prefill step completes its prompt here (no chunking)
-            decides, num_new = decision_plan(self.decides_at, new_counts, np.full(len(batch), prompt_done))
             done_ids = {id(r) for r in done}
-            finished = np.array([id(r) in done_ids for r in batch], dtype=bool)
-            if self.decisions is not None:  # the loop applies the same plan on the device
-                self._decide_on_device(batch, res, new_counts, finished, prompt_done)
-            else:
-                evicted = self._evict(batch, res, num_new, decides & ~finished)
+            finished = np.array([id(r) in done_ids for r, _ in batch], dtype=bool)
+            mid = np.array([not c.samples for _, c in batch], dtype=bool)
+            prompt_done = np.array([c.completes_prompt for _, c in batch], dtype=bool)
+            evicted = self.eviction.decide(batch, res, num_new, finished=finished, mid=mid, prompt_done=prompt_done)
         for r in done:
             r.retained_blocks = table.held_blocks(r.request_id)
             r.live_tokens = table.live_count(r.request_id)
@@ -472,44 +511,6 @@ class Engine:
             self.running.remove(r)
             self.finished.append(r)
         return done, evicted
-
-    def _decide_on_device(self, batch: list[Request], res: StepResult, new_counts, finished, prompt_done) -> None:
-        """The whole batch's decisions on the device (no host sync); the host applies them next step."""
-        n = len(batch)
-        seq_lens = np.fromiter((self.table.num_tokens(r.request_id) for r in batch), dtype=np.int64, count=n)
-        self.decisions.decide([r.request_id for r in batch], self.runner.slot_lists, seq_lens=seq_lens,
-                              num_new=new_counts, done=finished, prompt_done=np.full(n, prompt_done),
-                              window_scores=res.window_votes)
-
-    def _apply_device_victims(self) -> int:
-        """Apply the device's decisions whose copy completed (one step late); returns the victims applied."""
-        if self.decisions is None:
-            return 0
-        applied = self.decisions.drain()
-        if self.trace is not None:
-            for rec in applied:
-                for rid, seq_len, ids in rec.decisions():
-                    self.trace.record(seq_len, rid, ids)
-        return sum(rec.num_victims for rec in applied)
-
-    def _evict(self, batch: list[Request], res: StepResult, num_new, decides) -> int:
-        if res.key_scores is not None:
-            accumulate_batch([r.accumulator for r in batch], res.token_ids, res.key_scores, res.kv_indptr)
-        evicted = 0
-        for i, r in enumerate(batch):
-            if not decides[i]:
-                continue
-            rid = r.request_id
-            ids = self.table.live_ids(rid)
-            seq_len = self.table.num_tokens(rid)
-            window_scores = res.window_scores[i] if res.window_scores is not None else None
-            view = self.policy.view(rid, seq_len, ids, seq_len=seq_len, num_new=int(num_new[i]),
-                                    scores=r.accumulator, window_scores=window_scores)
-            victims = self.policy.select_victims(view)
-            if len(victims):
-                self.runner.evict(rid, victims)
-                evicted += len(victims)
-        return evicted
 
     # ------------------------------------------------------------------- run
     def generate(self, prompts: Sequence, max_new_tokens: Union[int, Sequence[int]], *,
