@@ -188,6 +188,24 @@ class _Graph:
     output: ModelOutput
 
 
+def checked_prefill(reqs: Sequence[Hashable], token_ids: Sequence, window) -> tuple[list, list, np.ndarray]:
+    """A prefill's arguments checked (typed errors naming them, before any state changes): the requests as a
+    list, one token array (>= 1 ids) per request, and ``window`` (an int for every request, or one per
+    request, each >= 0) as int64 per request. Shared by every runner's ``prefill``."""
+    reqs = list(reqs)
+    if is_int(window):
+        window = np.full(len(reqs), check_int("window", window), dtype=np.int64)
+    else:
+        window = as_index_array("window", window)
+        if window.shape != (len(reqs),) or (window.size and window.min() < 0):
+            raise InvalidArgumentError(f"window: expected an int >= 0 or {len(reqs)} of them (one per request), "
+                                       f"got {window.tolist()[:8]}")
+    if len(token_ids) != len(reqs):
+        raise InvalidArgumentError(f"token_ids: expected {len(reqs)} arrays (one per request), got {len(token_ids)}")
+    toks = [as_index_array(f"token_ids[{i}]", t, allow_empty=False) for i, t in enumerate(token_ids)]
+    return reqs, toks, window
+
+
 class ModelRunner:
     """Runs prefill and decode steps of ``model`` over a :class:`TokenTable` (see module docstring).
 
@@ -275,17 +293,7 @@ class ModelRunner:
         ``None``, with nothing changed, when the block budget cannot hold the
         new tokens.
         """
-        reqs = list(reqs)
-        if is_int(window):
-            window = np.full(len(reqs), check_int("window", window), dtype=np.int64)
-        else:
-            window = as_index_array("window", window)
-            if window.shape != (len(reqs),) or (window.size and window.min() < 0):
-                raise InvalidArgumentError(f"window: expected an int >= 0 or {len(reqs)} of them (one per request), "
-                                           f"got {window.tolist()[:8]}")
-        if len(token_ids) != len(reqs):
-            raise InvalidArgumentError(f"token_ids: expected {len(reqs)} arrays (one per request), got {len(token_ids)}")
-        toks = [as_index_array(f"token_ids[{i}]", t, allow_empty=False) for i, t in enumerate(token_ids)]
+        reqs, toks, window = checked_prefill(reqs, token_ids, window)
         return self._step(reqs, toks, decode=False, all_logits=all_logits, window=window, score_sink=score_sink)
 
     def decode(self, reqs: Sequence[Hashable], token_ids, *, score_sink=None) -> Optional[StepResult]:

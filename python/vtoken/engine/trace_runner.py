@@ -55,8 +55,8 @@ from typing import Callable, Hashable, Optional, Protocol, Sequence
 import numpy as np
 import torch
 
-from vtoken.engine.runner import RunnerConfig, StepHooks
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int, is_int
+from vtoken.engine.runner import RunnerConfig, StepHooks, checked_prefill
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int
 from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
 from vtoken.table import TokenTable
@@ -199,17 +199,7 @@ class TraceRunner:
                 window=0, score_sink=None) -> Optional[TraceStepResult]:
         """As :meth:`ModelRunner.prefill`: ``token_ids[i]`` (>= 1 tokens, any count) after what ``reqs[i]`` holds;
         ``window``: an int for every request or one per request. ``None`` when out of blocks (nothing changed)."""
-        reqs = list(reqs)
-        if is_int(window):
-            window = np.full(len(reqs), check_int("window", window), dtype=np.int64)
-        else:
-            window = as_index_array("window", window)
-            if window.shape != (len(reqs),) or (window.size and window.min() < 0):
-                raise InvalidArgumentError(f"window: expected an int >= 0 or {len(reqs)} of them (one per request), "
-                                           f"got {window.tolist()[:8]}")
-        if len(token_ids) != len(reqs):
-            raise InvalidArgumentError(f"token_ids: expected {len(reqs)} arrays (one per request), got {len(token_ids)}")
-        toks = [as_index_array(f"token_ids[{i}]", t, allow_empty=False) for i, t in enumerate(token_ids)]
+        reqs, toks, window = checked_prefill(reqs, token_ids, window)
         return self._step(reqs, toks, decode=False, window=window if window.any() else None, score_sink=score_sink)
 
     def decode(self, reqs: Sequence[Hashable], token_ids, *, score_sink=None) -> Optional[TraceStepResult]:
