@@ -184,3 +184,24 @@ def test_default_reclamation_moves_nothing_without_memory_pressure(model, monkey
     tight, out_tight = run(40)  # the growth look-ahead and the headroom exceed what is free: pressure
     assert tight["relocated_tokens"] > 0 and tight["reclaimed_blocks"] > 0
     assert out_tight == out_roomy  # relocation never changes what attention reads
+
+
+def test_a_full_pool_preempts_instead_of_raising(model, monkeypatch):
+    """More listed keys than the pool's slots means the appends cannot get blocks: the runner returns None
+    and the engine preempts (it used to raise on max_kv_indices first)."""
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    eng = _engine(model, "native", num_blocks=9, block_size=2, max_num_reqs=8, max_num_tokens=64, reclaim=None)
+    out = eng.generate(_prompts((2,) * 8), 3)
+    assert [len(r.output) for r in out] == [3] * 8 and eng.num_preemptions > 0
+
+
+def test_the_engine_reports_partial_prompts_and_admissible_waiting_prompts_as_demand(model, monkeypatch):
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    eng = _engine(model, "vtoken", policy="streamingllm", policy_config=POLICY_CFG, max_num_reqs=2,
+                  max_num_tokens=8, chunked_prefill=True, reclaim=None)
+    for p in _prompts((12, 12, 12)):
+        eng.add_request(p, 4)
+    eng.step()  # A: 8 of 12 prompt tokens (owes 3 - 2 blocks); one free slot: B's 3 blocks wait
+    assert eng.reclaimer.trigger.waiting_blocks == 1 + 3
+    eng.step()  # A completes; B admitted with 4 of 12 (owes 3 - 1); no free slot: C does not count
+    assert eng.reclaimer.trigger.waiting_blocks == 2

@@ -99,7 +99,11 @@ def test_config_builds_policy_and_reclaim_config():
     assert c.make_policy().budget.ratio == 0.25
     rc = c.make_reclaim_config()
     assert (rc.mode, rc.theta_F, rc.headroom_blocks) == ("vtoken", 0.3, 7)
+    assert rc.low_watermark == 0.10  # the connector's default: vLLM's waiting queue is not visible as demand
     assert VTokenVLLMConfig.from_extra_config({"mode": "native"}).make_policy() is None
+    # Left unset, the headroom is a fixed 2% stash (taken once, at bind), not the engine's automatic one.
+    rc = VTokenVLLMConfig.from_extra_config({"mode": "vtoken", "policy": "h2o"}).make_reclaim_config()
+    assert (rc.headroom_blocks, rc.low_watermark, rc.theta_F) == (0.02, 0.10, 0.01)
 
 
 # --------------------------------------------------------------------------- allocator

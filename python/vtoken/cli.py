@@ -340,7 +340,8 @@ def _add_frontier(sub) -> None:
     p.add_argument("--theta-f", type=float, default=None,
                    help="the waste floor: vtoken never reclaims while the waste ratio F is at or below it (default 0.01)")
     p.add_argument("--check-interval", type=int, default=None,
-                   help="steps between vtoken's trigger checks, and its demand look-ahead (default 8)")
+                   help="steps between vtoken's trigger checks; the demand look-ahead is this plus the block size "
+                   "(default 8)")
     p.add_argument("--max-src", type=int, default=None, help="source blocks per plan at most (default 256)")
     p.add_argument("--no-compare", action="store_true",
                    help="skip the second vtoken search with the continuous reclamation the presets used to set "

@@ -167,7 +167,7 @@ class ReclamationManager:
 
     # ------------------------------------------------------------ admission
     def admission_budget(self) -> AdmissionBudget:
-        """Free blocks minus the reserve, and the backpressure flag (O(1))."""
+        """Free blocks minus the reserve, and the backpressure flag (an automatic headroom is resized first)."""
         budget = self.trigger.admission_budget()
         if budget.backpressure:
             self._record().backpressure = True
@@ -188,10 +188,10 @@ class ReclamationManager:
 
     # ------------------------------------------------------------------ plan
     def maybe_plan(self) -> list[Plan]:
-        """Check the trigger (amortized) and plan this step's relocations.
+        """Check the pressure-driven trigger and plan this step's relocations.
 
         The trigger: free blocks short of the projected demand (the running
-        requests' growth over ``check_interval`` steps, the waiting prompts of
+        requests' growth over ``check_interval + S`` steps, the prompts of
         :meth:`note_waiting` and the headroom; at least ``low_watermark``),
         ``F > theta_F`` and at least ``min_gain`` blocks reclaimable; the plans
         stop once they cover the shortfall. It is evaluated every

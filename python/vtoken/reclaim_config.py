@@ -26,7 +26,7 @@ class ReclaimConfig:
     The trigger is driven by memory pressure (docs/reclamation.md): it fires
     when the free blocks fall short of the projected demand, i.e. the blocks
     the running requests' growth and the waiting prompts need within the next
-    ``check_interval`` steps, plus the headroom reserve; it then plans only
+    ``check_interval + S`` steps, plus the headroom reserve; it then plans only
     until the shortfall is covered, at most ``max_moves_per_step`` moves a
     step. Without pressure nothing moves.
 

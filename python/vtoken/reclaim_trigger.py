@@ -77,8 +77,10 @@ class ReclaimTrigger:
         return target - self.ledger.num_free
 
     def admission_budget(self) -> AdmissionBudget:
-        """Free blocks minus the reserve, and the backpressure flag (O(running requests))."""
-        self.reserve_headroom()
+        """Free blocks minus the reserve, and the backpressure flag (an automatic headroom is resized first:
+        O(requests); a fixed one was set once, at construction, and is never touched again)."""
+        if self.config.headroom_blocks is None:
+            self.reserve_headroom()
         led = self.ledger
         bp = bool(self.reclaims and self.pending and led.num_free <= self.low_watermark)
         return AdmissionBudget(free_blocks=led.admission_free, backpressure=bp)

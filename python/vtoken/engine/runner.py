@@ -47,7 +47,7 @@ from typing import Hashable, Optional, Protocol, Sequence
 import numpy as np
 import torch
 
-from vtoken import PAD_SLOT
+from vtoken import PAD_SLOT, cdiv
 from vtoken.buffers import DeviceMirror, SlotListBuffers
 from vtoken.copy_engine import StagingRing
 from vtoken.engine.kv_cache import KV_LAYOUTS
@@ -332,6 +332,9 @@ class ModelRunner:
         if total > cfg.max_num_tokens:
             raise InvalidArgumentError(f"token_ids: expected at most max_num_tokens={cfg.max_num_tokens} new tokens, got {total}")
         start = np.fromiter((table.num_tokens(r) for r in reqs), dtype=np.int64, count=nreq)
+        S = cfg.block_size
+        if int((cdiv(start + counts, S) - cdiv(start, S)).sum()) > table.ledger.admission_free:
+            return None  # out of blocks (the table would refuse the appends): the caller sheds a request
         live_after = np.fromiter((table.live_count(r) for r in reqs), dtype=np.int64, count=nreq) + counts
         if int(live_after.sum()) > cfg.max_kv_indices:
             raise InvalidArgumentError(

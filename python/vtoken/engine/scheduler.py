@@ -274,7 +274,13 @@ class Engine:
             max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_tokens,
             key_scores="sum" if source == "exact" and not on_device else "none", cuda_graph=config.cuda_graph,
         )
+        if runner_factory is not None and not callable(runner_factory):
+            raise InvalidTypeError(f"runner_factory: expected a callable (RunnerConfig -> runner), "
+                                   f"got {type(runner_factory).__name__}")
         self.runner = ModelRunner(model, runner_config) if runner_factory is None else runner_factory(runner_config)
+        if on_device and getattr(self.runner, "mirror", None) is None:
+            raise InvalidArgumentError("decision: expected 'host' with a runner that keeps no device mirror "
+                                       f"({type(self.runner).__name__}), got 'device'")
         self.table = self.runner.table
         self.decisions = DecisionLoop(decider, self.runner.mirror, num_blocks=config.num_blocks,
                                       block_size=config.block_size, max_reqs=config.max_num_reqs,
@@ -391,13 +397,13 @@ class Engine:
         plan = plan_batch([_seq_state(r) for r in self.running],
                           (SeqState(r.request_id, len(r._pending)) for r in self.waiting), self.limits,
                           free_blocks=budget.free_blocks, backpressure=budget.backpressure)
-        admitted = self._admit(plan)
-        self.reclaimer.note_waiting(self._waiting_blocks(len(admitted)))
+        self._admit(plan)
         batch = [(self.requests[c.request_id], c) for c in plan.chunks]  # (request, its Chunk)
         res, preempted = self._forward(batch)
         done, evicted = [], 0
         if res is not None and batch:
             done, evicted = self._after_forward(batch, res)
+        self.reclaimer.note_waiting(self._owed_blocks())  # after the step: what it appended is no longer owed
         self.reclaimer.launch(self.reclaimer.maybe_plan())
         self.reclaimer.commit()
         led = self.table.ledger
@@ -457,11 +463,14 @@ class Engine:
                 self.waiting.appendleft(r)
         return None, preempted
 
-    def _waiting_blocks(self, admitting: int) -> int:
-        """Blocks the waiting prompts that free request slots could admit next need (projected demand)."""
-        slots = max(0, self.config.max_num_reqs - len(self.running) - admitting)
+    def _owed_blocks(self) -> int:
+        """Blocks the engine knows it will need beyond the running requests' per-token growth (the trigger's
+        projected demand): the rest of every partial prompt, and the waiting prompts that free request slots
+        could admit next."""
         S = self.config.block_size
-        return sum(cdiv(len(r._pending), S) for r in itertools.islice(self.waiting, slots))
+        owed = sum(cdiv(len(r._pending), S) - cdiv(r._prefilled, S) for r in self.running if r._pending is not None)
+        slots = max(0, self.config.max_num_reqs - len(self.running))
+        return owed + sum(cdiv(len(r._pending), S) for r in itertools.islice(self.waiting, slots))
 
     def _preempt(self, req: Request) -> None:
         """Release ``req``'s blocks and queue it first, to recompute everything it has."""

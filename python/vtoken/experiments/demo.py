@@ -20,11 +20,11 @@ Reported per mode (see :class:`vtoken.experiments.common.ModeRun`):
 - **peak**: the most blocks the pool held at once, and **peak/req**, the most
   one request held at once;
 - **tokens/s**: generated tokens over the run's step time (host wall-clock);
-- **max concurrency** at the demo budget: ``floor(B / peak/req)``, where ``B``
-  is what admission may use (``num_blocks - 1``; vtoken also keeps its
-  headroom reserve inside the same budget). Every request here runs in
-  lockstep (same lengths, same start), so N of them peak together and N fit
-  only if ``N x peak/req <= B``; queuing does not count as fitting.
+- **max concurrency** at the demo budget: the largest N with
+  ``N x peak/req + headroom(N) <= B``, where ``B = num_blocks - 1`` and
+  ``headroom(N)`` is vtoken's automatic reserve for N running requests (0 in
+  the other modes). Every request here runs in lockstep (same lengths, same
+  start), so N of them peak together; queuing does not count as fitting.
 
 Example:
     >>> from vtoken.experiments.common import ModelSpec
@@ -218,8 +218,8 @@ def format_demo(res: DemoResult) -> str:
         "(allocated x S), mean over the second half of the decode steps; F: pool waste ratio, mean over steps;",
         "reclamation: memory pressure declared (the pool at its limit), the library's other defaults "
         f"(waste floor theta_F {res.reclaim['theta_F']:g}, headroom sized to the running requests)",
-        "max concurrency: floor(budget / peak/req), lockstep requests all resident (vtoken's headroom counts "
-        f"inside the budget: {res.modes['vtoken'].usable_blocks} usable)",
+        "max concurrency: the most lockstep requests of peak/req blocks resident at once, vtoken's headroom for "
+        f"them inside the budget ({res.modes['vtoken'].usable_blocks} usable with this run's requests)",
         f"total {res.seconds:.1f} s",
     ]
     if res.texts:

@@ -212,8 +212,9 @@ class FrontierConfig:
         return self.prompt_len + self.output_len - 1
 
     def reclaim_config(self, mode: str) -> ReclaimConfig:
-        """The :class:`ReclaimConfig` of ``mode``."""
-        return ReclaimConfig(**{**self.reclaim, "mode": mode})
+        """The :class:`ReclaimConfig` of ``mode``: the library's defaults under ``reclaim``, except the
+        debug checks, off unless asked for (O(pool) work a step: the search is a benchmark of capacity)."""
+        return ReclaimConfig(**{"check_invariants": False, **self.reclaim, "mode": mode})
 
     def headroom(self, mode: str, concurrency: int) -> int:
         """Blocks held back from the requests in ``mode`` (vtoken's reserve; 0 otherwise)."""

@@ -24,8 +24,9 @@ among the points whose p95 meets the SLA (``None`` if none does).
 The policy runs live in each evicting mode (no trace replay): preemption by
 recompute re-prefills a request and changes what the policy is asked, so the
 modes cannot share one trace here. Reclamation uses :class:`ReclaimConfig`'s
-defaults (reclaim when free blocks fall under 10% of the pool), as a server
-would. Numbers are measurements of this machine, not a model; the same
+defaults (reclaim when the free blocks fall short of the projected demand:
+the running requests' growth, the waiting prompts and the headroom), as a
+server would. Numbers are measurements of this machine, not a model; the same
 metrics on a modeled H200 clock are :mod:`vtoken.experiments.sla_modeled`
 (``vtoken sla --cost-model h200``), which shares :func:`timed_engine_class`,
 :func:`serve`, :func:`token_times`, :func:`sla_bound` and :func:`best_under_sla`.

@@ -14,7 +14,10 @@ Keys (all optional):
                      ``mode`` (``theta_F``, ``low_watermark``,
                      ``headroom_blocks``, ``check_interval``,
                      ``max_src_per_plan``, ``max_moves_per_step``, ``min_gain``,
-                     ``force_sync``, ``check_invariants``).
+                     ``force_sync``, ``check_invariants``). Two defaults
+                     differ from the library's: ``low_watermark`` 0.10 (the
+                     connector cannot see vLLM's waiting queue as demand) and
+                     ``headroom_blocks`` 0.02 (a stash taken once, at bind).
 ``drop_tainted_hashes``  in the modes that evict, never hash (for the prefix
                      cache) a block filled after a request's prompt, whose K/V
                      may come from a pruned context (default ``True``; see
@@ -40,6 +43,8 @@ from typing import Any, Optional
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, debug_checks_enabled
 
 MODES = ("native", "naive", "vtoken")
+VLLM_LOW_WATERMARK = 0.10  # free-block floor standing in for vLLM's waiting queue (see make_reclaim_config)
+VLLM_HEADROOM_SHARE = 0.02  # the headroom stash, a fixed share of the pool (see make_reclaim_config)
 _KEYS = ("mode", "policy", "policy_config", "reclaim", "drop_tainted_hashes", "full_decode_graphs", "check_invariants")
 
 
@@ -117,4 +122,10 @@ class VTokenVLLMConfig:
             raise InvalidArgumentError(f"reclaim: expected keys among {sorted(fields)}, got unknown {unknown}")
         cfg: dict[str, Any] = dict(self.reclaim)
         cfg.setdefault("check_invariants", self.check_invariants)
+        # NOTE: two library defaults do not fit vLLM. Its waiting queue is vLLM's own, so the connector
+        # cannot report the waiting prompts as demand (the embedded engine does): a free-block floor of
+        # 10% stands in for it. And its headroom is a physical stash taken once, at bind, so it cannot
+        # follow the running requests: 2% of the pool.
+        cfg.setdefault("low_watermark", VLLM_LOW_WATERMARK)
+        cfg.setdefault("headroom_blocks", VLLM_HEADROOM_SHARE)
         return ReclaimConfig(mode=self.mode, **cfg)

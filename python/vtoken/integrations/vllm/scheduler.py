@@ -37,7 +37,7 @@ import numpy as np
 from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError, InvariantViolation
 from vtoken.integrations.vllm.allocator import VLLMBlockAllocator, drop_hashes
-from vtoken.integrations.vllm.config import VTokenVLLMConfig
+from vtoken.integrations.vllm.config import VLLM_HEADROOM_SHARE, VTokenVLLMConfig
 from vtoken.integrations.vllm.meta import VTokenConnectorMetadata
 from vtoken.integrations.vllm.surgery import apply_block_list, block_ids
 from vtoken.ledger import OWNED, SHARED, BlockLedger
@@ -48,7 +48,6 @@ from vtoken.table import TokenTable
 # may evict: its cache_blocks (allocate_slots, and the async scheduler's output
 # path) then hashes nothing more for it, within the same schedule too.
 NEVER_HASH_MORE = 1 << 62
-VLLM_HEADROOM_SHARE = 0.02  # the headroom stash when the config leaves it automatic (see bind)
 
 
 @dataclass
@@ -100,8 +99,8 @@ class SchedulerSide:
         usable = int(self.pool.num_gpu_blocks) - 1
         if self.reclaim_config.headroom_blocks is None:
             # NOTE: here the headroom is a physical stash taken out of vLLM's free queue once, at bind; it
-            # cannot follow the running count as the embedded engine's automatic one does, so it keeps a
-            # fixed share of the pool (the former library default).
+            # cannot follow the running count as the embedded engine's automatic one does, so an explicit
+            # None keeps the connector's fixed share too.
             self.reclaim_config = dataclasses.replace(self.reclaim_config, headroom_blocks=VLLM_HEADROOM_SHARE)
         _, headroom = self.reclaim_config.resolve(usable)
         self.alloc = VLLMBlockAllocator(self.pool, headroom=headroom if self.config.mode == "vtoken" else 0)
