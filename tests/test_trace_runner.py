@@ -25,7 +25,7 @@ from vtoken.engine.scheduler import Engine, EngineConfig
 from vtoken.engine.trace_runner import TraceRunner, trace_engine
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.experiments.cost_model import H200Roofline, ModelShape
-from vtoken.experiments.frontier import SyntheticAttention
+from vtoken.experiments.synthetic_scores import SyntheticAttention
 from vtoken.experiments.sla import timed_engine_class
 from vtoken.experiments.sla_modeled import ForwardMarks, modeled_times
 from vtoken.experiments.synthetic_scores import SyntheticScores

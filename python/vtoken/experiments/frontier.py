@@ -74,6 +74,7 @@ import numpy as np
 from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, check_int
 from vtoken.experiments.common import check_kv_cache, check_memory, check_pool
+from vtoken.experiments.synthetic_scores import SyntheticAttention
 from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
 from vtoken.reclaim import MODES, ReclaimConfig, ReclamationManager
@@ -358,37 +359,6 @@ class FrontierResult:
 
 
 # --------------------------------------------------------------------------- victims
-
-
-class SyntheticAttention:
-    """A request's synthetic attention, for score-based policies in trace-only runs.
-
-    Model: token t has a salience ``w_t ~ LogNormal(0, sigma)`` (a few heavy
-    hitters, many light tokens). A query attends to each key it sees with
-    probability proportional to the key's salience, times per-step noise
-    ``LogNormal(0, noise)`` in decode steps. Prefill is causal: key t gets
-    ``w_t * sum_{q >= t} 1 / Z_q`` from the prompt's queries, where ``Z_q``
-    sums the salience of the keys query q sees; SnapKV's window votes are the
-    same sum over the last ``window`` queries. One kv head (a score per key).
-    """
-
-    def __init__(self, length: int, *, seed: int, request: int, sigma: float = 1.5, noise: float = 0.5):
-        self._rng = np.random.default_rng([seed, request, 0x5C0E])
-        self.salience = self._rng.lognormal(0.0, sigma, length)
-        self.noise = noise
-
-    def prefill(self, n: int, window: int = 0) -> np.ndarray:
-        """Scores of keys 0..n-1 from the causal queries 0..n-1 (only the last ``window`` if > 0)."""
-        w = self.salience[:n]
-        inv_z = 1.0 / np.cumsum(w)
-        if window:
-            inv_z[: max(0, n - window)] = 0.0
-        return w * np.cumsum(inv_z[::-1])[::-1]
-
-    def decode(self, ids: np.ndarray) -> np.ndarray:
-        """One query's attention over the live keys ``ids`` (sums to 1)."""
-        p = self.salience[ids] * self._rng.lognormal(0.0, self.noise, ids.size)
-        return p / p.sum()
 
 
 class VictimTrace:

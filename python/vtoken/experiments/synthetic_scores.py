@@ -1,8 +1,10 @@
-"""Synthetic attention for trace engines: the frontier's :class:`SyntheticAttention` behind the
-:class:`~vtoken.engine.trace_runner.AttentionSource` interface a :class:`TraceRunner` asks.
+"""Synthetic attention for the runs without a model: :class:`SyntheticAttention` (a request's
+attention, which the trace-only frontier's policies score by) and :class:`SyntheticScores`, the
+same behind the :class:`~vtoken.engine.trace_runner.AttentionSource` interface a
+:class:`TraceRunner` asks.
 
 A request's tokens carry a fixed salience (a few heavy hitters, many light
-tokens; :class:`~vtoken.experiments.frontier.SyntheticAttention`). A decode
+tokens; :class:`SyntheticAttention`). A decode
 query attends its live keys in proportion to their salience times per-step
 noise (``SyntheticAttention.decode``). A chunk of ``n`` new queries after
 ``p`` listed keys attends causally: query ``j`` spreads a unit of mass over the
@@ -23,7 +25,37 @@ from __future__ import annotations
 import numpy as np
 
 from vtoken.errors import InvalidArgumentError, check_int, is_int
-from vtoken.experiments.frontier import SyntheticAttention
+
+
+class SyntheticAttention:
+    """A request's synthetic attention, for score-based policies in trace-only runs.
+
+    Model: token t has a salience ``w_t ~ LogNormal(0, sigma)`` (a few heavy
+    hitters, many light tokens). A query attends to each key it sees with
+    probability proportional to the key's salience, times per-step noise
+    ``LogNormal(0, noise)`` in decode steps. Prefill is causal: key t gets
+    ``w_t * sum_{q >= t} 1 / Z_q`` from the prompt's queries, where ``Z_q``
+    sums the salience of the keys query q sees; SnapKV's window votes are the
+    same sum over the last ``window`` queries. One kv head (a score per key).
+    """
+
+    def __init__(self, length: int, *, seed: int, request: int, sigma: float = 1.5, noise: float = 0.5):
+        self._rng = np.random.default_rng([seed, request, 0x5C0E])
+        self.salience = self._rng.lognormal(0.0, sigma, length)
+        self.noise = noise
+
+    def prefill(self, n: int, window: int = 0) -> np.ndarray:
+        """Scores of keys 0..n-1 from the causal queries 0..n-1 (only the last ``window`` if > 0)."""
+        w = self.salience[:n]
+        inv_z = 1.0 / np.cumsum(w)
+        if window:
+            inv_z[: max(0, n - window)] = 0.0
+        return w * np.cumsum(inv_z[::-1])[::-1]
+
+    def decode(self, ids: np.ndarray) -> np.ndarray:
+        """One query's attention over the live keys ``ids`` (sums to 1)."""
+        p = self.salience[ids] * self._rng.lognormal(0.0, self.noise, ids.size)
+        return p / p.sum()
 
 
 class SyntheticScores:
