@@ -206,6 +206,37 @@ def checked_prefill(reqs: Sequence[Hashable], token_ids: Sequence, window) -> tu
     return reqs, toks, window
 
 
+def checked_decode(reqs: Sequence[Hashable], token_ids) -> tuple[list, list]:
+    """A decode's arguments checked: the requests as a list and one 1-token array per request."""
+    reqs = list(reqs)
+    ids = as_index_array("token_ids", token_ids)
+    if len(ids) != len(reqs):
+        raise InvalidArgumentError(f"token_ids: expected {len(reqs)} tokens (one per request), got {len(ids)}")
+    return reqs, [ids[i : i + 1] for i in range(len(ids))]
+
+
+def checked_batch(reqs: list, toks: list, config: "RunnerConfig", vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A step's batch checked against ``config`` (request count, uniqueness, token ids, the token budget);
+    returns the new tokens per request and all of them flat. Shared by every runner's step."""
+    nreq = len(reqs)
+    if nreq == 0:
+        raise InvalidArgumentError("reqs: expected at least one request, got none")
+    if nreq > config.max_num_reqs:
+        raise InvalidArgumentError(f"reqs: expected at most max_num_reqs={config.max_num_reqs}, got {nreq}")
+    if len(set(reqs)) != nreq:
+        raise InvalidArgumentError("reqs: expected unique requests, got duplicates")
+    counts = np.fromiter((len(t) for t in toks), dtype=np.int64, count=nreq)
+    ids = np.concatenate(toks)
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise InvalidArgumentError(f"token_ids: expected ids in [0, {vocab_size}), "
+                                   f"got {ids[(ids < 0) | (ids >= vocab_size)][:8].tolist()}")
+    total = int(counts.sum())
+    if total > config.max_num_tokens:
+        raise InvalidArgumentError(f"token_ids: expected at most max_num_tokens={config.max_num_tokens} new tokens, "
+                                   f"got {total}")
+    return counts, ids
+
+
 class ModelRunner:
     """Runs prefill and decode steps of ``model`` over a :class:`TokenTable` (see module docstring).
 
@@ -304,12 +335,8 @@ class ModelRunner:
         Returns ``None``, with nothing changed, when the block budget cannot
         hold the new tokens.
         """
-        reqs = list(reqs)
-        ids = as_index_array("token_ids", token_ids)
-        if len(ids) != len(reqs):
-            raise InvalidArgumentError(f"token_ids: expected {len(reqs)} tokens (one per request), got {len(ids)}")
-        return self._step(reqs, [ids[i : i + 1] for i in range(len(ids))], decode=True, all_logits=False,
-                          score_sink=score_sink)
+        reqs, toks = checked_decode(reqs, token_ids)
+        return self._step(reqs, toks, decode=True, all_logits=False, score_sink=score_sink)
 
     def _step(self, reqs: list, toks: list, *, decode: bool, all_logits: bool, window: Optional[np.ndarray] = None,
               score_sink=None) -> Optional[StepResult]:
@@ -317,20 +344,8 @@ class ModelRunner:
         nreq = len(reqs)
         if window is not None and not window.any():
             window = None
-        if nreq == 0:
-            raise InvalidArgumentError("reqs: expected at least one request, got none")
-        if nreq > cfg.max_num_reqs:
-            raise InvalidArgumentError(f"reqs: expected at most max_num_reqs={cfg.max_num_reqs}, got {nreq}")
-        if len(set(reqs)) != nreq:
-            raise InvalidArgumentError("reqs: expected unique requests, got duplicates")
-        counts = np.fromiter((len(t) for t in toks), dtype=np.int64, count=nreq)
-        ids = np.concatenate(toks)
-        vocab = self.model.config.vocab_size
-        if ids.min() < 0 or ids.max() >= vocab:
-            raise InvalidArgumentError(f"token_ids: expected ids in [0, {vocab}), got {ids[(ids < 0) | (ids >= vocab)][:8].tolist()}")
+        counts, ids = checked_batch(reqs, toks, cfg, self.model.config.vocab_size)
         total = int(counts.sum())
-        if total > cfg.max_num_tokens:
-            raise InvalidArgumentError(f"token_ids: expected at most max_num_tokens={cfg.max_num_tokens} new tokens, got {total}")
         start = np.fromiter((table.num_tokens(r) for r in reqs), dtype=np.int64, count=nreq)
         S = cfg.block_size
         if int((cdiv(start + counts, S) - cdiv(start, S)).sum()) > table.ledger.admission_free:

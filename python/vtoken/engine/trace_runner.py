@@ -55,8 +55,8 @@ from typing import Callable, Hashable, Optional, Protocol, Sequence
 import numpy as np
 import torch
 
-from vtoken.engine.runner import RunnerConfig, StepHooks, checked_prefill
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int
+from vtoken.engine.runner import RunnerConfig, StepHooks, checked_batch, checked_decode, checked_prefill
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_int
 from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
 from vtoken.table import TokenTable
@@ -204,12 +204,8 @@ class TraceRunner:
 
     def decode(self, reqs: Sequence[Hashable], token_ids, *, score_sink=None) -> Optional[TraceStepResult]:
         """As :meth:`ModelRunner.decode`: one token per request. ``None`` when out of blocks (nothing changed)."""
-        reqs = list(reqs)
-        ids = as_index_array("token_ids", token_ids)
-        if len(ids) != len(reqs):
-            raise InvalidArgumentError(f"token_ids: expected {len(reqs)} tokens (one per request), got {len(ids)}")
-        return self._step(reqs, [ids[i: i + 1] for i in range(len(ids))], decode=True, window=None,
-                          score_sink=score_sink)
+        reqs, toks = checked_decode(reqs, token_ids)
+        return self._step(reqs, toks, decode=True, window=None, score_sink=score_sink)
 
     def _step(self, reqs: list, toks: list, *, decode: bool, window: Optional[np.ndarray],
               score_sink) -> Optional[TraceStepResult]:
@@ -218,21 +214,7 @@ class TraceRunner:
         if score_sink is not None:
             raise InvalidArgumentError("score_sink: expected None for a trace runner (no attention on a device: "
                                        "decide on the host, EngineConfig(decision='host')), got a sink")
-        if nreq == 0:
-            raise InvalidArgumentError("reqs: expected at least one request, got none")
-        if nreq > cfg.max_num_reqs:
-            raise InvalidArgumentError(f"reqs: expected at most max_num_reqs={cfg.max_num_reqs}, got {nreq}")
-        if len(set(reqs)) != nreq:
-            raise InvalidArgumentError("reqs: expected unique requests, got duplicates")
-        counts = np.fromiter((len(t) for t in toks), dtype=np.int64, count=nreq)
-        ids = np.concatenate(toks)
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise InvalidArgumentError(f"token_ids: expected ids in [0, {self.vocab_size}), "
-                                       f"got {ids[(ids < 0) | (ids >= self.vocab_size)][:8].tolist()}")
-        total = int(counts.sum())
-        if total > cfg.max_num_tokens:
-            raise InvalidArgumentError(f"token_ids: expected at most max_num_tokens={cfg.max_num_tokens} new tokens, "
-                                       f"got {total}")
+        counts, ids = checked_batch(reqs, toks, cfg, self.vocab_size)
         # NOTE: no slot-list buffer, so no max_kv_indices check: without shared prefixes, listed keys beyond the
         # pool's slots mean total tokens beyond them too, and the append below returns None.
         past = np.fromiter((table.live_count(r) for r in reqs), dtype=np.int64, count=nreq)
