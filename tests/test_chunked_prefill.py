@@ -317,12 +317,15 @@ def test_device_victims_reaching_the_host_late_change_nothing(model, policy, mon
 
 
 # --------------------------------------------------------------------- preemption, budget, errors
-@pytest.mark.parametrize("mode", ("native", "naive"))
+@pytest.mark.parametrize("mode", ("native", "naive", "vtoken"))
 def test_preemption_of_partially_prefilled_requests(model, mode, monkeypatch):
     """A pool too small for everyone: requests are preempted in the middle of their prompt, recompute, and
     complete; native outputs equal a roomy unchunked run."""
     prompts = _prompts((12, 14, 17, 20, 9), seed=3)
-    policy = dict(policy="h2o", policy_config=dict(budget=0.9, window=4, sink=1)) if mode == "naive" else {}
+    policy = dict(policy="h2o", policy_config=dict(budget=0.9, window=4, sink=1)) if mode != "native" else {}
+    if mode == "vtoken":  # evicting half (holes to reclaim), with a reserve the 13 blocks can afford
+        policy = dict(policy="h2o", policy_config=dict(budget=0.5, window=4, sink=1),
+                      reclaim=dict(EAGER_RECLAIM, headroom_blocks=2))
     eng = _engine(model, mode, budget=6, num_blocks=14, record=False, **policy)  # 13 blocks: 52 tokens
     mid_prompt = []
     preempt = eng._preempt
@@ -335,6 +338,8 @@ def test_preemption_of_partially_prefilled_requests(model, mode, monkeypatch):
     out = _serve(eng, prompts, new=12, concurrency=4)
     assert eng.num_preemptions > 0 and any(mid_prompt)
     assert all(len(r.output) == 12 for r in out)
+    if mode == "vtoken":
+        assert eng.summary()["relocated_tokens"] > 0  # compaction ran between the preemptions (checked: I1/I2/I4)
     if mode == "native":
         roomy = _serve(_engine(model, "native"), prompts, new=12, concurrency=4)
         assert _outputs(out) == _outputs(roomy)
