@@ -206,6 +206,18 @@ def checked_prefill(reqs: Sequence[Hashable], token_ids: Sequence, window) -> tu
     return reqs, toks, window
 
 
+def runner_table(config: "RunnerConfig", table: Optional[TokenTable]) -> TokenTable:
+    """A runner's token table: a new one over a fresh pool of ``config``'s size, or ``table`` if it matches."""
+    if table is None:
+        return TokenTable(BlockLedger(BlockPool(config.num_blocks), block_size=config.block_size))
+    if table.S != config.block_size or table.ledger.num_blocks != config.num_blocks:
+        raise InvalidArgumentError(
+            f"table: expected block_size {config.block_size} and {config.num_blocks} blocks, "
+            f"got {table.S} and {table.ledger.num_blocks}"
+        )
+    return table
+
+
 def checked_decode(reqs: Sequence[Hashable], token_ids) -> tuple[list, list]:
     """A decode's arguments checked: the requests as a list and one 1-token array per request."""
     reqs = list(reqs)
@@ -258,13 +270,7 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.device = model.lm_head.weight.device
-        if table is None:
-            table = TokenTable(BlockLedger(BlockPool(config.num_blocks), block_size=config.block_size))
-        elif table.S != config.block_size or table.ledger.num_blocks != config.num_blocks:
-            raise InvalidArgumentError(
-                f"table: expected block_size {config.block_size} and {config.num_blocks} blocks, "
-                f"got {table.S} and {table.ledger.num_blocks}"
-            )
+        table = runner_table(config, table)
         self.table = table
         self.hooks = list(hooks)
         self.kv_caches, self.layout = model.allocate_kv_caches(config.num_blocks, config.block_size,

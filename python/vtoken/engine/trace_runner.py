@@ -55,10 +55,8 @@ from typing import Callable, Hashable, Optional, Protocol, Sequence
 import numpy as np
 import torch
 
-from vtoken.engine.runner import RunnerConfig, StepHooks, checked_batch, checked_decode, checked_prefill
+from vtoken.engine.runner import RunnerConfig, StepHooks, checked_batch, checked_decode, checked_prefill, runner_table
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_int
-from vtoken.ledger import BlockLedger
-from vtoken.pool import BlockPool
 from vtoken.table import TokenTable
 
 
@@ -146,13 +144,7 @@ class TraceRunner:
                                        "attention scores (key_scores='sum'), got None")
         if config.cuda_graph:
             raise InvalidArgumentError("cuda_graph: expected False or None for a trace runner (no model), got True")
-        if table is None:
-            table = TokenTable(BlockLedger(BlockPool(config.num_blocks), block_size=config.block_size))
-        elif table.S != config.block_size or table.ledger.num_blocks != config.num_blocks:
-            raise InvalidArgumentError(
-                f"table: expected block_size {config.block_size} and {config.num_blocks} blocks, "
-                f"got {table.S} and {table.ledger.num_blocks}"
-            )
+        table = runner_table(config, table)
         self.config = config
         self.vocab_size = int(vocab_size)
         self.attention = attention
