@@ -36,6 +36,13 @@ import numpy as np
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int
 
 
+def check_memory_utilization(value) -> float:
+    """vLLM's ``gpu_memory_utilization``: a number in (0, 1] (a typed error naming it otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise InvalidArgumentError(f"memory_utilization: expected a value in (0, 1], got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a Llama-family decoder that set a step's bytes and FLOPs (bf16 weights and KV)."""
@@ -180,9 +187,7 @@ class H200Roofline:
         included (activations and the CUDA context are not modeled).
         """
         check_int("block_size", block_size, min_value=1)
-        if isinstance(memory_utilization, bool) or not isinstance(memory_utilization, (int, float)) \
-                or not 0 < memory_utilization <= 1:
-            raise InvalidArgumentError(f"memory_utilization: expected a value in (0, 1], got {memory_utilization!r}")
+        check_memory_utilization(memory_utilization)
         free = self.hbm_bytes * memory_utilization - shape.params * shape.dtype_bytes
         if free <= 0:
             raise InvalidArgumentError(f"memory_utilization: expected room for {shape.name}'s "

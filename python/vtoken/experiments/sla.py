@@ -94,13 +94,19 @@ class SlaConfig:
         check_run_options(self, ("rounds", "prompt_len", "output_len", "block_size", "sla_concurrency"))
         check_int("num_blocks", self.num_blocks, min_value=2)
         check_pool("num_blocks", self.num_blocks, self.num_blocks, self.block_size)
-        if self.sla_concurrency not in self.concurrency:
-            raise InvalidArgumentError(
-                f"sla_concurrency: expected one of the swept concurrencies {list(self.concurrency)}, "
-                f"got {self.sla_concurrency}"
-            )
-        if isinstance(self.sla_factor, bool) or not isinstance(self.sla_factor, (int, float)) or self.sla_factor <= 0:
-            raise InvalidArgumentError(f"sla_factor: expected a number > 0, got {self.sla_factor!r}")
+        check_sla_target(self)
+
+
+def check_sla_target(cfg) -> None:
+    """The SLA's reference point of a sweep config: ``sla_concurrency`` among the swept ``concurrency``
+    values, and ``sla_factor`` a number > 0 (shared by the wall-clock and the modeled sweeps)."""
+    if cfg.sla_concurrency not in cfg.concurrency:
+        raise InvalidArgumentError(
+            f"sla_concurrency: expected one of the swept concurrencies {list(cfg.concurrency)}, "
+            f"got {cfg.sla_concurrency}"
+        )
+    if isinstance(cfg.sla_factor, bool) or not isinstance(cfg.sla_factor, (int, float)) or cfg.sla_factor <= 0:
+        raise InvalidArgumentError(f"sla_factor: expected a number > 0, got {cfg.sla_factor!r}")
 
 
 class WallClock:

@@ -56,8 +56,16 @@ from vtoken.experiments.common import (
     policy_config,
     reclaim_json,
 )
-from vtoken.experiments.cost_model import H200Roofline, ModelShape, ModeledClock
-from vtoken.experiments.sla import MODES, best_under_sla, serve, sla_bound, timed_engine_class, token_times
+from vtoken.experiments.cost_model import H200Roofline, ModelShape, ModeledClock, check_memory_utilization
+from vtoken.experiments.sla import (
+    MODES,
+    best_under_sla,
+    check_sla_target,
+    serve,
+    sla_bound,
+    timed_engine_class,
+    token_times,
+)
 
 SHAPES = {"llama-8b": ModelShape.llama_8b, "mistral-7b": ModelShape.mistral_7b}
 PAPER_SPEEDUP = 1.37  # the vToken paper's Fig. 8: "up to 1.37x" throughput at the SLA
@@ -121,17 +129,9 @@ class ModeledSlaConfig:
         if self.num_blocks is not None:
             check_int("num_blocks", self.num_blocks, min_value=2)
             check_pool("num_blocks", self.num_blocks, self.num_blocks, self.block_size)
-        elif isinstance(self.memory_utilization, bool) or not isinstance(self.memory_utilization, (int, float)) \
-                or not 0 < self.memory_utilization <= 1:
-            raise InvalidArgumentError(f"memory_utilization: expected a value in (0, 1], "
-                                       f"got {self.memory_utilization!r}")
-        if self.sla_concurrency not in self.concurrency:
-            raise InvalidArgumentError(
-                f"sla_concurrency: expected one of the swept concurrencies {list(self.concurrency)}, "
-                f"got {self.sla_concurrency}"
-            )
-        if isinstance(self.sla_factor, bool) or not isinstance(self.sla_factor, (int, float)) or self.sla_factor <= 0:
-            raise InvalidArgumentError(f"sla_factor: expected a number > 0, got {self.sla_factor!r}")
+        else:
+            check_memory_utilization(self.memory_utilization)
+        check_sla_target(self)
         if not isinstance(self.roofline, H200Roofline):
             raise InvalidTypeError(f"roofline: expected an H200Roofline, got {type(self.roofline).__name__}")
         for name in self.shapes:  # every pool is checked before any run
