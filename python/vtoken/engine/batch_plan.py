@@ -88,6 +88,11 @@ class SeqState:
         return self.prompt_len - self.prefilled
 
 
+def owed_blocks(running, block_size: int) -> int:
+    """The blocks the partial prompts among ``running`` (SeqStates) have yet to open (0 for a decoder)."""
+    return sum(cdiv(r.prompt_len, block_size) - cdiv(r.prefilled, block_size) for r in running if r.remaining > 0)
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One request's share of a step: ``num_tokens`` new tokens; ``decode``: one token after its prompt;
@@ -188,6 +193,5 @@ def _plan_chunked(running, waiting, limits: BatchLimits, free_blocks: int, backp
             chunks.append(Chunk(r.request_id, n, completes_prompt=n == r.remaining))
     if not (backpressure or blocked) and tokens > 0:
         # The blocks the partial prompts still open are theirs: admission checked them whole.
-        owed = sum(cdiv(r.prompt_len, S) - cdiv(r.prefilled, S) for r in running if r.remaining > 0)
-        chunks += _admit(waiting, limits, len(running), free_blocks - owed, tokens)
+        chunks += _admit(waiting, limits, len(running), free_blocks - owed_blocks(running, S), tokens)
     return BatchPlan(tuple(chunks))

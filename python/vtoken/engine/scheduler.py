@@ -72,7 +72,7 @@ from typing import Any, Hashable, Optional, Sequence, Union
 import numpy as np
 
 from vtoken import cdiv
-from vtoken.engine.batch_plan import BatchLimits, BatchPlan, SeqState, plan_batch
+from vtoken.engine.batch_plan import BatchLimits, BatchPlan, SeqState, owed_blocks, plan_batch
 from vtoken.engine.model import LlamaModel
 from vtoken.decision_loop import DecisionLoop
 from vtoken.engine.runner import ModelRunner, RunnerConfig, StepResult
@@ -468,7 +468,7 @@ class Engine:
         projected demand): the rest of every partial prompt, and the waiting prompts that free request slots
         could admit next."""
         S = self.config.block_size
-        owed = sum(cdiv(len(r._pending), S) - cdiv(r._prefilled, S) for r in self.running if r._pending is not None)
+        owed = owed_blocks(map(_seq_state, self.running), S)
         slots = max(0, self.config.max_num_reqs - len(self.running))
         return owed + sum(cdiv(len(r._pending), S) for r in itertools.islice(self.waiting, slots))
 
