@@ -30,7 +30,8 @@ import pytest
 
 from vtoken.cli import main
 from vtoken.errors import InvalidArgumentError
-from vtoken.experiments.common import Progress, full_blocks, headroom_blocks
+from vtoken.experiments.common import Progress, full_blocks
+from vtoken.reclaim_config import auto_headroom
 
 # Tiny sizes: block size 4 and a 4-token window, so the policies evict within a few dozen tokens.
 TINY = ["--block-size", "4", "--window", "4", "--device", "cpu"]
@@ -90,11 +91,11 @@ def test_demo_json(capsys):
     assert vt["retained_blocks_per_request"] >= vt["ideal_blocks_per_request"]
     # Max concurrency by its definition; vtoken's headroom is inside the same budget.
     assert nat["usable_blocks"] == nv["usable_blocks"] == 47
-    assert vt["usable_blocks"] == 47 - headroom_blocks(3, 4)
+    assert vt["usable_blocks"] == 47 - auto_headroom(3, 4)
     for m in (nat, nv):
         assert m["max_concurrency"] == m["usable_blocks"] // m["peak_blocks_per_request"]
     c, per = vt["max_concurrency"], vt["peak_blocks_per_request"]  # with the headroom those c requests need
-    assert c * per + headroom_blocks(c, 4) <= 47 < (c + 1) * per + headroom_blocks(c + 1, 4)
+    assert c * per + auto_headroom(c, 4) <= 47 < (c + 1) * per + auto_headroom(c + 1, 4)
     for m in (nat, nv, vt):
         assert m["preemptions"] == 0 and 0 < m["utilization"] <= 1 and 0 <= m["waste_ratio_mean"] < 1
     assert vt["peak_blocks_per_request"] < nat["peak_blocks_per_request"]
@@ -418,12 +419,12 @@ def test_default_demo_packs_to_95_percent_in_steady_state(capsys):
 
 
 def test_fit_num_blocks_is_the_smallest_pool_that_fits():
-    from vtoken.experiments.common import fit_num_blocks, headroom_blocks
+    from vtoken.experiments.common import fit_num_blocks
 
     for requests in (1, 3, 8, 50):
         for per in (1, 7, 16, 100, 1000):
             need, n = requests * per, fit_num_blocks(requests, per, 16)
-            assert n - 1 - headroom_blocks(requests, 16) == need
+            assert n - 1 - auto_headroom(requests, 16) == need
 
 
 # ---------------------------------------------------------------------------------- plot, progress

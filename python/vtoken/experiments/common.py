@@ -302,13 +302,6 @@ def reclaim_json(reclaim: Optional[dict] = None) -> dict:
     return dataclasses.asdict(ReclaimConfig(**{**(reclaim or {}), "mode": "vtoken"}))
 
 
-def headroom_blocks(requests: int, block_size: int) -> int:
-    """The vtoken headroom reserve while ``requests`` run together (the automatic one of the paired runs), in blocks."""
-    from vtoken.reclaim_config import auto_headroom
-
-    return auto_headroom(requests, block_size)
-
-
 def full_blocks(prompt_len: int, output_len: int, block_size: int) -> int:
     """Blocks one request holds with nothing evicted: the prompt and every output token but the last."""
     return cdiv(prompt_len + output_len - 1, block_size)
@@ -317,7 +310,9 @@ def full_blocks(prompt_len: int, output_len: int, block_size: int) -> int:
 def fit_num_blocks(requests: int, per_request: int, block_size: int) -> int:
     """The smallest pool (null block included) that holds ``requests x per_request`` blocks in every mode,
     including vtoken's headroom reserve for that many requests."""
-    return requests * per_request + 1 + headroom_blocks(requests, block_size)
+    from vtoken.reclaim_config import auto_headroom
+
+    return requests * per_request + 1 + auto_headroom(requests, block_size)
 
 
 def max_resident(usable_blocks: int, per_request: int, reserve) -> int:

@@ -51,7 +51,6 @@ from vtoken.experiments.common import (
     check_run_options,
     fit_num_blocks,
     full_blocks,
-    headroom_blocks,
     paired_run,
     policy_config,
     reclaim_json,
@@ -59,6 +58,7 @@ from vtoken.experiments.common import (
     warm_up,
 )
 from vtoken.experiments.prompts import workload_prompts, workload_texts
+from vtoken.reclaim_config import auto_headroom
 
 MODES = ("native", "naive", "vtoken")
 DEFAULT_NUM_BLOCKS = 256
@@ -109,7 +109,7 @@ class DemoConfig:
         if self.num_blocks is None:
             return max(DEFAULT_NUM_BLOCKS, fit_num_blocks(self.requests, per_request, self.block_size))
         need = self.requests * per_request
-        have = self.num_blocks - 1 - headroom_blocks(self.requests, self.block_size)
+        have = self.num_blocks - 1 - auto_headroom(self.requests, self.block_size)
         if need > have:
             raise InvalidArgumentError(
                 f"num_blocks: expected a budget that holds all {self.requests} requests unevicted "
