@@ -537,6 +537,74 @@ def test_aot_compile_for_sm90_sm80():
     assert compiled == expected_compiles(spec_id for spec_id, _ in _aot_specs())
 
 
+# ----------------------------------------------------------------- layer-offset cache
+
+
+def test_layer_offsets_cache_stays_bounded_and_exact(monkeypatch):
+    """Many distinct sets of caches: the offsets cache never exceeds its size, every launch stays exact."""
+    from vtoken_kernels import compact_kv as kmod
+
+    monkeypatch.setattr(kmod, "_OFFSETS_CACHE", type(kmod._OFFSETS_CACHE)())
+    n_sets = 2 * kmod._OFFSETS_CACHE_SIZE + 3
+    keys = set()
+    for seed in range(n_sets):  # random gaps between layers: a distinct relative layout (key) per set
+        arena, caches, layout = build_caches("nhd", torch.float16, 4, 4, 1, 8, 5, seed=100 + seed)
+        src, dst = random_moves(layout.num_slots, 5, seed)
+        before = arena.snapshot()
+        run_backend("triton", caches, layout, src, dst, validate=True)
+        assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, layout, src, dst))
+        assert len(kmod._OFFSETS_CACHE) <= kmod._OFFSETS_CACHE_SIZE
+        keys.add(next(reversed(kmod._OFFSETS_CACHE)))
+    assert len(keys) > kmod._OFFSETS_CACHE_SIZE + 2  # the bound was really exercised
+    assert len(kmod._OFFSETS_CACHE) == kmod._OFFSETS_CACHE_SIZE
+    for (device, values), entry in kmod._OFFSETS_CACHE.items():  # an entry holds exactly its key
+        assert entry.tensor.device == device and entry.tensor.dtype == torch.int64
+        assert entry.tensor.tolist() == list(values)
+
+
+def test_layer_offsets_cache_hit_is_lru_and_keyed_by_relative_layout(monkeypatch):
+    """A hit refreshes the entry (the least recently used one goes); caches with the same layer spacing share one."""
+    from vtoken_kernels import compact_kv as kmod
+
+    monkeypatch.setattr(kmod, "_OFFSETS_CACHE_SIZE", 2)
+    monkeypatch.setattr(kmod, "_OFFSETS_CACHE", type(kmod._OFFSETS_CACHE)())
+    buf = torch.zeros(64, dtype=torch.int16)
+    a, b, c = ([buf[o: o + 4], buf[o + gap: o + gap + 4]] for o, gap in ((0, 8), (0, 16), (0, 24)))
+    shifted = [buf[4:8], buf[12:16]]  # a's layers 8 elements apart, at other addresses
+    ta = kmod._layer_offsets(a)
+    kmod._layer_offsets(b)
+    assert kmod._layer_offsets(shifted) is ta  # same key: (device, (0, 8))
+    kmod._layer_offsets(c)  # evicts b, the least recently used
+    assert [v for _, v in kmod._OFFSETS_CACHE] == [(0, 8), (0, 24)]
+    assert ta.tolist() == [0, 8]
+
+
+class _FakeEvent:
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def test_evicted_staging_lives_until_its_copy_completed(monkeypatch):
+    """An entry evicted while its H2D copy may be in flight keeps its pinned staging until the event completes."""
+    from vtoken_kernels import compact_kv as kmod
+
+    monkeypatch.setattr(kmod, "_RETIRED_STAGING", type(kmod._RETIRED_STAGING)())
+    pending, done = _FakeEvent(), _FakeEvent()
+    done.done = True
+    staging = [torch.arange(3), torch.arange(4)]
+    kmod._retire(kmod._Offsets(torch.arange(3), pending, staging[0]))
+    kmod._retire(kmod._Offsets(torch.arange(4), done, staging[1]))  # completed: released at once
+    assert [s for _, s in kmod._RETIRED_STAGING] == [staging[0]]
+    kmod._poll_retired()
+    assert [s for _, s in kmod._RETIRED_STAGING] == [staging[0]]  # still in flight: kept
+    pending.done = True
+    kmod._poll_retired()
+    assert len(kmod._RETIRED_STAGING) == 0
+
+
 # ----------------------------------------------------------------- GPU
 
 
@@ -609,3 +677,26 @@ def test_gpu_cuda_graph_replays_padded_buffer(backend, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, layout, src.cpu(), dst.cpu()))
+
+
+@pytest.mark.gpu
+def test_gpu_triton_first_launch_on_new_caches_does_not_sync(monkeypatch):
+    """The layer offsets of a new set of caches go up by an async copy: no host sync, under sync debug mode."""
+    from vtoken_kernels import compact_kv as kmod
+
+    warm = build_caches("nhd", torch.float16, 8, 16, 2, 64, 3, device="cuda", seed=8)
+    src, dst = random_moves(warm[2].num_slots, 20, 8, device="cuda")
+    kmod.compact_kv(warm[1], warm[2], src, dst)  # JIT compile outside the check
+    arena, caches, layout = build_caches("nhd", torch.float16, 8, 16, 2, 64, 3, device="cuda", seed=9)
+    torch.cuda.synchronize()
+    before = arena.snapshot()
+    stream = torch.cuda.Stream()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):  # a side stream, as the relocation stream
+            kmod.compact_kv(caches, layout, src, dst)
+        kmod.compact_kv(caches, layout, torch.full_like(src, -1), dst)  # a hit from another stream (PAD only)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, layout, src.cpu(), dst.cpu()))

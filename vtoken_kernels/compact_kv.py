@@ -14,6 +14,9 @@ needs no fp8 support from the target (sm_80 has none).
 """
 from __future__ import annotations
 
+import collections
+from dataclasses import dataclass, field
+
 import torch
 import triton
 import triton.language as tl
@@ -24,10 +27,19 @@ from vtoken_kernels.layout import KVLayout
 # Elements per program tile; 4096 keeps a tile at <= 16 KiB (fp32) so a program
 # is one (move, layer) pair with a handful of vector loads per thread.
 _MAX_TILE = 4096
-# NOTE: entries are never evicted. A CUDA graph that captured a launch reads
-# its offsets tensor at every replay, so freeing it would corrupt the replay;
-# an entry is L * 8 bytes per distinct set of cache addresses.
-_OFFSETS_CACHE: dict = {}
+# Layer-offset tensors kept, least recently used evicted first. An engine
+# relocates within one set of caches (vLLM: one per KV cache group), so a few
+# entries cover it; tests and benchmarks that build many sets stay bounded.
+_OFFSETS_CACHE_SIZE = 8
+# NOTE: keyed by (device, the offsets themselves): an offsets tensor holds
+# exactly its key's values, so caches at other addresses with the same relative
+# layout share it, and a stale entry can never hold wrong offsets.
+_OFFSETS_CACHE: "collections.OrderedDict[tuple, _Offsets]" = collections.OrderedDict()
+# NOTE: an entry a CUDA graph captured is never evicted: the graph reads its
+# tensor at every replay. It moves here (L * 8 bytes per captured set of caches).
+_CAPTURED_OFFSETS: "dict[tuple, _Offsets]" = {}
+# Pinned staging of evicted entries whose H2D copy may still be in flight: (event, staging).
+_RETIRED_STAGING: collections.deque = collections.deque()
 
 
 def compact_kv(kv_caches, layout: KVLayout, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
@@ -45,8 +57,9 @@ def compact_kv(kv_caches, layout: KVLayout, src_slots: torch.Tensor, dst_slots: 
         does an out-of-range slot (never a write outside the caches).
 
     NOTE: the layer-offset tensor is built once per set of cache addresses
-    (an H2D copy) and kept: call once before capturing a CUDA graph so the
-    capture does not allocate it.
+    (an async H2D copy from pinned memory on the current stream, no host
+    sync) and kept in a small LRU cache: call once before capturing a CUDA
+    graph so the capture does not allocate it.
     """
     num_moves = src_slots.numel()
     if num_moves == 0:
@@ -90,16 +103,84 @@ def _launch_args(kv_caches, layout: KVLayout, src_slots: torch.Tensor, dst_slots
     return args, constexprs, options
 
 
+@dataclass
+class _Offsets:
+    """A cached layer-offset tensor and what orders its first use after its H2D copy."""
+
+    tensor: torch.Tensor  # int64 [L] on the caches' device
+    event: object = None  # CUDA: the H2D copy's completion (None on CPU)
+    staging: object = None  # CUDA: the pinned source, alive until ``event`` completed
+    streams: set = field(default_factory=set)  # CUDA streams that already wait on ``event``
+
+
 def _layer_offsets(views) -> torch.Tensor:
-    """int64 [L] element offsets of each layer from layer 0 (cached per set of addresses)."""
+    """int64 [L] element offsets of each layer from layer 0 (cached, bounded; no host sync)."""
     esize = views[0].element_size()
     base = views[0].data_ptr()
-    key = (views[0].device, esize, tuple(v.data_ptr() for v in views))
-    offsets = _OFFSETS_CACHE.get(key)
-    if offsets is None:
-        offsets = torch.tensor([(v.data_ptr() - base) // esize for v in views], dtype=torch.int64, device=views[0].device)
-        _OFFSETS_CACHE[key] = offsets
-    return offsets
+    device = views[0].device
+    values = tuple((v.data_ptr() - base) // esize for v in views)
+    key = (device, values)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    entry = _CAPTURED_OFFSETS.get(key) or _OFFSETS_CACHE.get(key)
+    if entry is None:
+        if capturing:
+            raise RuntimeError("compact_kv: expected a call outside CUDA graph capture before capturing these "
+                               "caches (it uploads their layer offsets), got the first call inside the capture")
+        entry = _upload(values, device)
+    if capturing:
+        # NOTE: torch.cuda.graph synchronizes before capture, so the upload has completed.
+        _OFFSETS_CACHE.pop(key, None)
+        _CAPTURED_OFFSETS[key] = entry
+    elif key not in _CAPTURED_OFFSETS:
+        _OFFSETS_CACHE[key] = entry
+        _OFFSETS_CACHE.move_to_end(key)
+        while len(_OFFSETS_CACHE) > _OFFSETS_CACHE_SIZE:
+            _retire(_OFFSETS_CACHE.popitem(last=False)[1])
+        if entry.event is not None:
+            _order_after_upload(entry)
+    return entry.tensor
+
+
+def _upload(values: tuple, device: torch.device) -> _Offsets:
+    """``values`` as an int64 tensor on ``device``; on CUDA one async copy from pinned memory, current stream."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":  # CPU (Triton interpreter): the host tensor is the device tensor
+        return _Offsets(host)
+    _poll_retired()
+    staging = host.pin_memory()
+    stream = torch.cuda.current_stream(device)
+    tensor = torch.empty(len(values), dtype=torch.int64, device=device)
+    tensor.copy_(staging, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return _Offsets(tensor, event, staging, {stream})
+
+
+def _order_after_upload(entry: _Offsets) -> None:
+    """A launch on another stream than the upload's waits for the copy (enqueued once per stream, no host wait)."""
+    stream = torch.cuda.current_stream(entry.tensor.device)
+    if stream in entry.streams:
+        return
+    stream.wait_event(entry.event)
+    # NOTE: the tensor was allocated on the upload stream; once evicted, the
+    # allocator may reuse it there while this stream's launch still reads it.
+    entry.tensor.record_stream(stream)
+    entry.streams.add(stream)
+
+
+def _retire(entry: _Offsets) -> None:
+    """Drop an evicted entry; its pinned staging stays alive until its copy completed."""
+    if entry.staging is not None and not entry.event.query():
+        _RETIRED_STAGING.append((entry.event, entry.staging))
+    entry.staging = None
+
+
+def _poll_retired() -> None:
+    """Release the retired staging buffers whose copy completed (never waits)."""
+    for _ in range(len(_RETIRED_STAGING)):
+        event, staging = _RETIRED_STAGING.popleft()
+        if not event.query():
+            _RETIRED_STAGING.append((event, staging))
 
 
 def _common_alignment(views, layout: KVLayout, extra) -> int:
