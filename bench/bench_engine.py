@@ -277,8 +277,6 @@ def part_graph_vs_eager(sz, device, graphs: bool) -> dict:
     def run(graph: bool) -> dict:
         eng = Engine(model, EngineConfig(mode="vtoken", policy="h2o", policy_config=dict(pcfg), cuda_graph=graph,
                                          **engine_cfg))
-        if graph:
-            eng.runner.capture_graphs([R])  # every decode batch is R requests (same lengths, lockstep)
         _sync(device)
         t0 = time.perf_counter()
         out = eng.generate(prompts, O)
@@ -345,9 +343,8 @@ def part_hooks_overhead(sz, device, model, desc) -> dict:
         for r in reqs:
             runner.add_request(r)
         firsts.append(runner.prefill(reqs, prompts).next_tokens())
-    if native.use_graph:
-        native.capture_graphs([R])
-        vt.capture_graphs([R])
+    native.warmup()  # captures the one graph size, R (every decode batch: same lengths, lockstep)
+    vt.warmup()
     nxt = firsts[0]
     t_nat, t_vt, t_hooks = [], [], []
     tokens_equal = bool(np.array_equal(firsts[0], firsts[1]))

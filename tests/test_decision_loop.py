@@ -23,6 +23,7 @@ from vtoken.decision_loop import DecisionLoop
 from vtoken.errors import InvalidArgumentError
 from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
+from vtoken.step_graphs import StepGraphs, padded_batch_sizes
 from vtoken.table import TokenTable
 
 torch.set_num_threads(1)
@@ -333,7 +334,8 @@ class _ReplayOnCPU:
 
 @pytest.mark.parametrize("name,cfg", [CONFIGS[1], CONFIGS[4], CONFIGS[6]], ids=["h2o", "scissorhands", "random"])
 def test_padded_graph_steps_equal_eager_steps(name, cfg, monkeypatch):
-    """The graph path's logic on CPU: padded batch sizes, eager first step, capture, invalidation on re-layout."""
+    """The graph path's logic on CPU: every padded size captured at warm-up (and the warm-up changes nothing),
+    serving replays, a re-layout drops the graphs and every size is captured again at once."""
     rng_a, rng_b = np.random.default_rng(11), np.random.default_rng(11)
     policy = P.get(name, **cfg)
     eager, graphed = Pair(policy, 5, rng_a), Pair(policy, 5, rng_b)
@@ -342,10 +344,14 @@ def test_padded_graph_steps_equal_eager_steps(name, cfg, monkeypatch):
 
     def capture(lp, sl, size):
         captured.append(size)
-        return loop._graphs._graphs.setdefault(size, _ReplayOnCPU(lambda: lp._device_step(sl, size)))
+        return _ReplayOnCPU(lambda: lp._device_step(sl, size))
 
-    monkeypatch.setattr(loop._graphs, "_capture", capture)
+    loop._graphs = StepGraphs(5, capture=capture)
     loop.cuda_graph = True
+    with pytest.raises(InvalidArgumentError, match="warmup"):
+        loop._graphs.run(loop, graphed.bufs, 3)
+    loop.warmup(graphed.bufs)
+    assert captured == list(padded_batch_sizes(5)) == [1, 2, 4, 5]
     relayouts = graphed.mirror.relayouts
     for step in range(10):
         order = [int(r) for r in rng_a.permutation(5)][: 3 + step % 3]  # 3..5 requests: sizes (1, 2, 4, 5)
@@ -356,4 +362,6 @@ def test_padded_graph_steps_equal_eager_steps(name, cfg, monkeypatch):
         for r in range(5):
             assert np.array_equal(eager.a.live_ids(r), graphed.a.live_ids(r))
     assert loop._graphs.replays > 0 and graphed.mirror.relayouts > relayouts
-    assert len(captured) > len(set(captured))  # a re-layout dropped the graphs: sizes were captured again
+    # Never one size lazily: the warm-up, then whole sets again after the buffers moved.
+    assert loop._graphs.recaptures > 0
+    assert captured == [1, 2, 4, 5] * (1 + loop._graphs.recaptures)

@@ -9,15 +9,18 @@ Tolerance: the fp32 ``LOGIT_ATOL`` of ``test_engine_fidelity.py`` (same reason).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
+import types
 
 import numpy as np
 import pytest
 import torch
 
-from vtoken.engine.model import LlamaModel, ModelConfig
-from vtoken.engine.runner import ModelRunner, RunnerConfig
-from vtoken.errors import InvalidArgumentError, UnknownRequestError
+from vtoken.engine.model import LlamaModel, ModelConfig, ModelOutput
+from vtoken.engine.runner import ModelRunner, RunnerConfig, _Graph
+from vtoken.errors import InvalidArgumentError, InvariantViolation, UnknownRequestError
+from vtoken.step_graphs import padded_batch_sizes
 
 LOGIT_ATOL = 1e-4
 TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -274,8 +277,39 @@ def test_random_weights_are_seeded():
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
 
 
+class _ReplayOnCPU:
+    """A CUDA graph's CPU stand-in: ``replay`` re-runs the padded decode eagerly over the runner's fixed buffers
+    and writes the outputs into the object the capture returned (as a graph writes its static outputs)."""
+
+    def __init__(self, runner, batch, score_out):
+        self.runner, self.batch, self.score_out = runner, batch, score_out
+        self.output = ModelOutput(logits=torch.empty(0))
+
+    def replay(self):
+        r = self.runner
+        out = r.model(r._step_inputs(self.batch, self.batch, decode=True), r.kv_caches, r.layout,
+                      score_out=self.score_out)
+        for f in dataclasses.fields(out):
+            setattr(self.output, f.name, getattr(out, f.name))
+
+
+def _cpu_graph_runner(model, monkeypatch, **kw):
+    """A runner on the graph path, its captures recorded and replayed eagerly (CPU)."""
+    runner = _runner(model, **kw)
+    runner.use_graph = True
+    captured = []
+
+    def capture(batch, score_out=None):
+        captured.append(batch)
+        g = _ReplayOnCPU(runner, batch, score_out)
+        return _Graph(g, g.output)
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    return runner, captured
+
+
 def test_padded_graph_batches_match_unpadded_on_cpu(monkeypatch):
-    """The graph path's padding (CPU stand-in for replay): padded decode batches give the same logits.
+    """The graph path on CPU: every padded size captured at warm-up, serving only replays, same logits.
 
     On CUDA the decode runs as a graph captured at a padded batch size; here the
     "replay" is an eager forward over the same fixed buffers at that padded
@@ -284,23 +318,20 @@ def test_padded_graph_batches_match_unpadded_on_cpu(monkeypatch):
     """
     monkeypatch.setenv("VTOKEN_BACKEND", "torch")
     model = _model()
-    padded_r = _runner(model, max_num_reqs=8)
+    padded_r, captured = _cpu_graph_runner(model, monkeypatch, max_num_reqs=8)
     plain_r = _runner(model, max_num_reqs=8)
-    replays = []
-
-    def fake_replay(batch, score_out=None):
-        replays.append(batch)
-        return padded_r.model(padded_r._step_inputs(batch, batch, decode=True), padded_r.kv_caches, padded_r.layout,
-                              score_out=score_out)
-
-    padded_r.use_graph = True
-    monkeypatch.setattr(padded_r, "_replay", fake_replay)
     reqs = [0, 1, 2]
     res = []
     for runner in (padded_r, plain_r):
         for r in reqs:
             runner.add_request(r)
         res.append(runner.prefill(reqs, [np.arange(n) % 160 for n in (6, 11, 9)]))
+    before = padded_r.table.num_tokens(0)
+    with pytest.raises(InvalidArgumentError, match="warmup"):  # no capture while serving: refused, nothing changed
+        padded_r.decode(reqs, res[1].next_tokens())
+    assert padded_r.table.num_tokens(0) == before and captured == []
+    padded_r.warmup()
+    assert captured == list(padded_batch_sizes(8)) == [1, 2, 4, 8]
     for step in range(5):
         nxt = res[1].next_tokens()
         active = reqs if step < 3 else reqs[:1]
@@ -308,10 +339,100 @@ def test_padded_graph_batches_match_unpadded_on_cpu(monkeypatch):
         assert res[0].graph and not res[1].graph
         assert res[0].logits.shape == res[1].logits.shape == (len(active), 160)
         torch.testing.assert_close(res[0].logits, res[1].logits, atol=LOGIT_ATOL, rtol=0)  # GEMMs over other row counts
-    assert replays == [4, 4, 4, 1, 1]
+    assert captured == [1, 2, 4, 8]  # serving replayed, never captured
+    assert padded_r.num_graph_replays == 5 and padded_r.num_graph_captures == 0  # (the stand-in counts nothing)
     # Real blocks hold identical K/V: padding rows only ever wrote the null block (block 0).
     for a, b in zip(padded_r.kv_caches, plain_r.kv_caches):
         torch.testing.assert_close(a[1:], b[1:], atol=1e-5, rtol=0)
+
+
+def test_graph_score_buffer_move_recaptures_every_size_and_a_missing_size_raises(monkeypatch):
+    """Graphs bake in the score sink's buffer: when it moves, every size is captured again at once (never one
+    size lazily); another sink is refused; a size missing from the warm-up is an internal error."""
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    runner, captured = _cpu_graph_runner(_model(), monkeypatch, max_num_reqs=4)
+    cap = runner.mirror.slots.numel() + 1
+    sink = types.SimpleNamespace(token_mass=torch.zeros(cap))
+    runner.warmup(score_sink=sink)
+    assert captured == [1, 2, 4]
+    for r in (0, 1, 2):
+        runner.add_request(r)
+    nxt = runner.prefill([0, 1, 2], [np.arange(n) % 160 for n in (5, 7, 3)]).next_tokens()
+    nxt = runner.decode([0, 1, 2], nxt, score_sink=sink).next_tokens()
+    assert captured == [1, 2, 4] and sink.token_mass.sum() > 0  # the replay added the key masses
+    sink.token_mass = torch.zeros(cap)  # the sink re-allocated its buffer (a mirror arena growth)
+    nxt = runner.decode([0, 1, 2], nxt, score_sink=sink).next_tokens()
+    assert captured == [1, 2, 4, 1, 2, 4] and sink.token_mass.sum() > 0
+    before = runner.table.num_tokens(0)
+    with pytest.raises(InvalidArgumentError, match="score_sink"):
+        runner.decode([0, 1, 2], nxt, score_sink=types.SimpleNamespace(token_mass=torch.zeros(cap)))
+    assert runner.table.num_tokens(0) == before
+    del runner._graphs[4]
+    with pytest.raises(InvariantViolation, match="padded batch 4 was not captured"):
+        runner.decode([0, 1, 2], nxt, score_sink=sink)
+
+
+def test_window_votes_path_copies_nothing_from_the_host_and_reads_nothing_back(monkeypatch):
+    """SnapKV's observation window: its rows travel with the step's tokens (one staged copy), its votes come
+    from device buffers only (no from_numpy / .to(device) in the step, no tensor read in the votes), and they
+    equal window_key_scores over the host table's live keys (the former host-copied path), exactly."""
+    import sys
+
+    from vtoken.policies.scores import window_key_scores
+
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    runner = _runner(_model(), num_blocks=32, max_num_reqs=4)
+    prompts = [np.arange(n) % 160 for n in (9, 4, 12)]
+    for r in range(3):
+        runner.add_request(r)
+    runner.prefill([0, 1, 2], [p[:-3] for p in prompts])  # a first chunk: keys before the window
+    runner.evict(0, [1, 2])  # request 0 takes no window: its dead keys shift the others' rows
+    host_copies, reads = [], []
+    real_from_numpy, real_to, real_votes = torch.from_numpy, torch.Tensor.to, runner._window_votes
+
+    def from_numpy(a):
+        host_copies.append(("from_numpy", sys._getframe(1).f_code.co_name))
+        return real_from_numpy(a)
+
+    def to(self, *args, **kwargs):
+        if any(isinstance(a, (torch.device, str)) for a in args) or "device" in kwargs:
+            host_copies.append(("to", sys._getframe(1).f_code.co_name))
+        return real_to(self, *args, **kwargs)
+
+    def votes_guarded(*args):
+        with monkeypatch.context() as m:
+            for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__"):
+                m.setattr(torch.Tensor, name, lambda self, *a, _n=name, **k: reads.append(_n))
+            return real_votes(*args)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "from_numpy", from_numpy)
+        m.setattr(torch.Tensor, "to", to)
+        m.setattr(runner, "_window_votes", votes_guarded)
+        res = runner.prefill([0, 1, 2], [p[-3:] for p in prompts], window=[0, 2, 3])
+    assert [c for c in host_copies if c[1] in ("_step", "_window_votes", "window_key_scores", "_pos")] == []
+    assert reads == []
+    n_win = [0, 2, 3]
+    views = [runner.layout.canonical_view(c) for c in runner.kv_caches]
+    win = torch.tensor([4, 5, 6, 7, 8], dtype=torch.int64)  # the step's rows: 3 + 3 + 3 tokens, windows 0, 2, 3
+    step = runner._step_inputs(3, 9, decode=False)
+    step.window_indices = win
+    queries = runner.model(step, runner.kv_caches, runner.layout).window_queries  # the step's window, recomputed
+    q_pos = runner.positions[win].numpy()
+    lo = 0
+    for i, r in enumerate([0, 1, 2]):
+        got = res.window_votes[res.kv_indptr[i]: res.kv_indptr[i + 1]]
+        if not n_win[i]:
+            assert not got.any()
+            continue
+        slots = torch.from_numpy(runner.table.live_slots(r).astype(np.int64))
+        hi = lo + n_win[i]
+        expect = sum(window_key_scores(queries[layer, lo:hi], v[slots // 4, slots % 4, 0],
+                                       key_ids=runner.table.live_ids(r), query_ids=q_pos[lo:hi])
+                     for layer, v in enumerate(views))
+        torch.testing.assert_close(got, expect, atol=0, rtol=0)
+        lo = hi
+    assert not res.window_votes[res.kv_indptr[-1]:].any()
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -330,6 +451,8 @@ def test_cuda_graph_decode_matches_eager(dtype):
     model = LlamaModel(ModelConfig(**{**TINY, "dtype": str(dtype).replace("torch.", "")}), device="cuda")
     graph_r = _runner(model, cuda_graph=True, num_blocks=96, max_num_reqs=8)
     eager_r = _runner(model, cuda_graph=False, num_blocks=96, max_num_reqs=8)
+    graph_r.warmup()  # every padded size, before the first step
+    assert sorted(graph_r._graphs) == [1, 2, 4, 8] and graph_r.num_graph_captures == 4
     rng = random.Random(0)
     reqs = [0, 1, 2]
     prompts = [np.arange(n) % 160 for n in (6, 11, 9)]
@@ -353,4 +476,4 @@ def test_cuda_graph_decode_matches_eager(dtype):
         assert results[0].graph and not results[1].graph
         torch.testing.assert_close(results[0].logits, results[1].logits, atol=atol, rtol=0)
     assert graph_r.num_graph_replays == 10 and eager_r.num_graph_replays == 0
-    assert sorted(b for b, _ in graph_r._graphs) == [2, 4]
+    assert sorted(graph_r._graphs) == [1, 2, 4, 8] and graph_r.num_graph_captures == 4  # none while serving

@@ -140,27 +140,34 @@ def test_decode_steps_with_eviction_and_relocation_read_nothing_back(policy, mon
     assert eng.reclaimer.metrics.summary().get("moves", 0) > 0  # ... and relocate
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("graphed", (False, True), ids=["eager", "graphed"])
-@pytest.mark.parametrize("policy", ("h2o", "streamingllm"))
-def test_cuda_decode_steps_with_eviction_and_relocation_under_sync_debug_mode(policy, graphed, monkeypatch):
-    """N decode steps on CUDA (graphs, device decisions, relocation) with torch's sync debug mode set to error.
-
-    Sampling is the one exception (the embedded engine reads each step's
-    greedy tokens): ``StepResult.next_tokens`` runs with the mode lifted.
-    """
-    from vtoken.engine.runner import StepResult
-
+def test_snapkv_window_prefill_and_decodes_read_nothing_back(monkeypatch):
+    """SnapKV under chunked prefill: the guarded steps complete prompts (the observation window's queries, its
+    votes, the device decisions) and decode; nothing is read back."""
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
     monkeypatch.setenv("VTOKEN_DEBUG_INVARIANTS", "0")
-    model = LlamaModel(ModelConfig(**TINY), device="cuda")
-    eng = Engine(model, EngineConfig(num_blocks=96, block_size=4, max_num_reqs=4, max_num_tokens=256,
-                                     mode="vtoken", policy=policy, reclaim=EAGER_RECLAIM, decision_graph=graphed,
+    eng = _snapkv_engine(LlamaModel(ModelConfig(**TINY)))
+    eng.step()  # admission and the first prompt chunks, outside the guard
+    with count_device_reads() as reads:
+        for _ in range(8):
+            eng.step()
+    assert reads == []
+    assert sum(s.evicted for s in eng.stats[1:]) > 0  # the guarded steps did decide from the window votes
+
+
+def _snapkv_engine(model):
+    eng = Engine(model, EngineConfig(num_blocks=96, block_size=4, max_num_reqs=4, max_num_tokens=32,
+                                     chunked_prefill=True, mode="vtoken", policy="snapkv", reclaim=EAGER_RECLAIM,
                                      policy_config=dict(budget=0.5, window=4, sink=2)))
     rng = np.random.default_rng(0)
     for n in (20, 27, 33, 14):
         eng.add_request(rng.integers(0, 160, n), 24)
-    for _ in range(4):  # prefill, then the first decodes capture the graphs and grow the caches
-        eng.step()
+    return eng
+
+
+def _lift_sync_debug_for_sampling(monkeypatch):
+    """``StepResult.next_tokens`` (the embedded engine's one read: the greedy tokens) runs with the mode lifted."""
+    from vtoken.engine.runner import StepResult
+
     sample = StepResult.next_tokens
 
     def sampled(self):
@@ -171,6 +178,50 @@ def test_cuda_decode_steps_with_eviction_and_relocation_under_sync_debug_mode(po
             torch.cuda.set_sync_debug_mode("error")
 
     monkeypatch.setattr(StepResult, "next_tokens", sampled)
+
+
+@pytest.mark.gpu
+def test_cuda_snapkv_window_prefill_under_sync_debug_mode(monkeypatch):
+    """The SnapKV window path on CUDA (window rows staged with the tokens, votes from device buffers) and the
+    decodes after it, with torch's sync debug mode set to error."""
+    monkeypatch.setenv("VTOKEN_DEBUG_INVARIANTS", "0")
+    eng = _snapkv_engine(LlamaModel(ModelConfig(**TINY), device="cuda"))
+    captures = eng.runner.num_graph_captures
+    eng.step()  # admission and the first prompt chunks
+    _lift_sync_debug_for_sampling(monkeypatch)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert sum(s.evicted for s in eng.stats[1:]) > 0
+    assert eng.runner.num_graph_replays > 0 and eng.runner.num_graph_captures == captures  # none while serving
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphed", (False, True), ids=["eager", "graphed"])
+@pytest.mark.parametrize("policy", ("h2o", "streamingllm"))
+def test_cuda_decode_steps_with_eviction_and_relocation_under_sync_debug_mode(policy, graphed, monkeypatch):
+    """N decode steps on CUDA (graphs, device decisions, relocation) with torch's sync debug mode set to error.
+
+    Sampling is the one exception (the embedded engine reads each step's
+    greedy tokens): ``StepResult.next_tokens`` runs with the mode lifted.
+    """
+    monkeypatch.setenv("VTOKEN_DEBUG_INVARIANTS", "0")
+    model = LlamaModel(ModelConfig(**TINY), device="cuda")
+    eng = Engine(model, EngineConfig(num_blocks=96, block_size=4, max_num_reqs=4, max_num_tokens=256,
+                                     mode="vtoken", policy=policy, reclaim=EAGER_RECLAIM, decision_graph=graphed,
+                                     policy_config=dict(budget=0.5, window=4, sink=2)))
+    rng = np.random.default_rng(0)
+    for n in (20, 27, 33, 14):
+        eng.add_request(rng.integers(0, 160, n), 24)
+    captures = eng.runner.num_graph_captures  # every padded size, at the engine's warm-up
+    for _ in range(4):  # prefill, then the first decodes grow the caches
+        eng.step()
+    _lift_sync_debug_for_sampling(monkeypatch)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -181,4 +232,4 @@ def test_cuda_decode_steps_with_eviction_and_relocation_under_sync_debug_mode(po
     torch.cuda.synchronize()
     assert sum(s.evicted for s in eng.stats) > 0
     assert eng.reclaimer.metrics.summary().get("moves", 0) > 0
-    assert eng.runner.num_graph_replays > 0
+    assert eng.runner.num_graph_replays > 0 and eng.runner.num_graph_captures == captures  # none while serving

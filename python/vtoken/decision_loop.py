@@ -117,8 +117,9 @@ class DecisionLoop:
             (it grows between steps when a step wanted more).
         block_capacity: emptied blocks one record holds, default ``max(2 * max_reqs, 256)``.
         cuda_graph: replay the device half of :meth:`decide` from CUDA graphs (CUDA only; one graph
-            per padded batch size, captured on the second step of that size, captured again after
-            a mirror re-layout or a ring growth). Default off: it has not run on a GPU yet.
+            per padded batch size, every size captured by :meth:`warmup` before the first step, all
+            captured again after a mirror re-layout or a ring growth). Default off: it has not run
+            on a GPU yet.
     """
 
     def __init__(self, policy, mirror, *, num_blocks: int, block_size: int, max_reqs: int, table=None,
@@ -180,6 +181,23 @@ class DecisionLoop:
             self.token_mass = torch.zeros(size + 1, dtype=torch.float32, device=self.device)
         self.token_mass[:size].copy_(moved)
         self.token_mass[size] = 0
+
+    def warmup(self, slot_lists) -> None:
+        """Capture the device step of every padded batch size over ``slot_lists`` (graphs on; else nothing).
+
+        Call before the first :meth:`decide`. Each size first runs once eagerly
+        over no entry and zero arguments (the lists' ``kv_indptr`` and the
+        argument buffer are zeroed meanwhile, then restored): no victim, no
+        state change.
+        """
+        if not self.cuda_graph:
+            return
+        saved = [t.clone() for t in (self._args, slot_lists.kv_indptr)]
+        self._args.zero_()
+        slot_lists.kv_indptr.zero_()
+        self._graphs.warmup(self, slot_lists)
+        for t, v in zip((self._args, slot_lists.kv_indptr), saved):
+            t.copy_(v)
 
     # ------------------------------------------------------------------ device side
     def _stage(self, n: int, seq_lens, num_new, reqs, skip, window, defer) -> None:

@@ -11,11 +11,12 @@ drives one :class:`~vtoken.engine.model.LlamaModel` step at a time:
 3. the model writes the new K/V and attends over exactly the live tokens.
 
 On CUDA the decode step is captured in a CUDA graph per padded batch size
-(``graph_batch_sizes``). Before each replay the inputs are overwritten IN PLACE
-(the buffers never change address); padding requests get an empty slot list
-and PAD slot mapping. Relocation (compaction) never runs inside the graph: the
-``StepHooks`` run before and after the forward, on the compute stream,
-outside the captured region. On CPU every step runs eager over the same
+(``graph_batch_sizes``), every size at warm-up (:meth:`ModelRunner.warmup`,
+before the first step), so serving only replays. Before each replay the inputs
+are overwritten IN PLACE (the buffers never change address); padding requests
+get an empty slot list and PAD slot mapping. Relocation (compaction) never runs
+inside the graph: the ``StepHooks`` run before and after the forward, on the
+compute stream, outside the captured region. On CPU every step runs eager over the same
 buffers.
 
 The slot lists come from :class:`vtoken.buffers.DeviceMirror` (the device
@@ -52,7 +53,8 @@ from vtoken.buffers import DeviceMirror, SlotListBuffers
 from vtoken.copy_engine import StagingRing
 from vtoken.engine.kv_cache import KV_LAYOUTS
 from vtoken.engine.model import LlamaModel, ModelOutput, StepInputs
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int, is_int
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, as_index_array, check_int, \
+    is_int
 from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
 from vtoken.step_graphs import padded_batch_sizes
@@ -92,8 +94,9 @@ class RunnerConfig:
         key_scores: what every step returns for eviction policies: ``"none"``,
             ``"sum"`` or ``"per_layer"`` (see :class:`~vtoken.engine.model.ModelOutput`).
         cuda_graph: capture decode steps; ``None`` = on iff the model is on CUDA.
-        graph_batch_sizes: padded decode batch sizes to capture (lazily, on
-            first use); default powers of two up to ``max_num_reqs``.
+        graph_batch_sizes: padded decode batch sizes to capture (all of them at
+            :meth:`ModelRunner.warmup`); default :func:`vtoken.step_graphs.padded_batch_sizes`
+            of ``max_num_reqs``. A batch above the largest runs eagerly.
     """
 
     num_blocks: int
@@ -282,16 +285,22 @@ class ModelRunner:
         t, r, nnz = config.max_num_tokens, config.max_num_reqs, config.max_kv_indices
         self.mirror = DeviceMirror(table, self.device)  # follows the table's journal (requests already in it too)
         self.slot_lists = SlotListBuffers(max_reqs=r, nnz_max=nnz, max_tokens=t, device=self.device)
-        # Token inputs: one int32 arena [input_ids | positions | q_indptr], filled by ONE H2D copy.
-        # (int32 is enough: embedding and RoPE take int32 ids / positions.)
-        self._tok = torch.zeros(2 * t + r + 1, dtype=torch.int32, device=self.device)
-        self.input_ids, self.positions, self.q_indptr = self._tok[:t], self._tok[t : 2 * t], self._tok[2 * t :]
+        # Token inputs: one int32 arena [input_ids | positions | q_indptr | window rows], filled by ONE H2D
+        # copy. (int32 is enough: embedding and RoPE take int32 ids / positions; window rows index the step's
+        # tokens.)
+        self._tok = torch.zeros(3 * t + r + 1, dtype=torch.int32, device=self.device)
+        self.input_ids, self.positions = self._tok[:t], self._tok[t : 2 * t]
+        self.q_indptr, self.window_rows = self._tok[2 * t : 2 * t + r + 1], self._tok[2 * t + r + 1 :]
         # NOTE: a staging buffer is reused only once its copy's event completed (no host wait).
         self._staging = StagingRing(pinned=True, dtype=torch.int32, prealloc=2, capacity=self._tok.numel()) \
             if self.device.type == "cuda" else None
-        self._graphs: dict[tuple, _Graph] = {}  # (padded batch, score_out address or None)
+        self._graphs: dict[int, _Graph] = {}  # padded batch -> graph, all captured over _graph_score_out
         self._graph_pool = None
+        self._graph_sink = None  # the score sink the graphs were captured for (warmup)
+        self._graph_score_out = None  # its score buffer at capture: graphs bake in its address
+        self.warmed_up = False
         self.num_graph_replays = 0
+        self.num_graph_captures = 0
         self.reclaimer = None  # a vtoken.reclaim.ReclamationManager, set by the scheduler (finish_request)
 
     # ------------------------------------------------------------- requests
@@ -351,6 +360,14 @@ class ModelRunner:
         if window is not None and not window.any():
             window = None
         counts, ids = checked_batch(reqs, toks, cfg, self.model.config.vocab_size)
+        padded = next((b for b in cfg.graph_batch_sizes if b >= nreq), None) if decode and self.use_graph else None
+        if padded is not None:  # a graph replay: checked before anything changes
+            if not self.warmed_up:
+                raise InvalidArgumentError("cuda_graph: expected ModelRunner.warmup() before the first decode "
+                                           "(graphs are captured at warm-up, never while serving), got none")
+            if score_sink is not self._graph_sink:
+                raise InvalidArgumentError(f"score_sink: expected the sink the graphs were captured for at warm-up "
+                                           f"({type(self._graph_sink).__name__}), got {type(score_sink).__name__}")
         total = int(counts.sum())
         start = np.fromiter((table.num_tokens(r) for r in reqs), dtype=np.int64, count=nreq)
         S = cfg.block_size
@@ -372,15 +389,16 @@ class ModelRunner:
         np.cumsum(counts, out=q_indptr[1:])
         token_ids = [table.live_ids(r) for r in reqs] if cfg.key_scores != "none" else None
 
-        padded = nreq
-        graph = decode and self.use_graph
-        if graph:
-            padded = next((b for b in cfg.graph_batch_sizes if b >= nreq), None)
-            graph = padded is not None
-            padded = padded or nreq
+        graph = padded is not None
+        padded = padded or nreq
+        rows = None
+        if window is not None:
+            n_win = np.minimum(counts, window)  # 0 for a request with no window: no rows
+            rows = np.repeat(q_indptr[1:] - n_win, n_win) + np.arange(int(n_win.sum())) - np.repeat(
+                np.cumsum(n_win) - n_win, n_win)
         self.mirror.build(self.slot_lists, reqs, counts)  # kv_indices, kv_indptr, slot_mapping (PAD tails)
         kv_indptr = self.slot_lists.kv_indptr_host[: nreq + 1].copy()
-        self._stage_tokens(ids, positions, q_indptr, padded=padded)
+        self._stage_tokens(ids, positions, q_indptr, padded=padded, window_rows=rows)
         # read after build: a mirror re-layout in build gives the sink a new buffer
         score_out = score_sink.token_mass if score_sink is not None else None
         if graph:
@@ -388,11 +406,8 @@ class ModelRunner:
             self.num_graph_replays += 1
         else:
             step = self._step_inputs(nreq, total, decode)
-            if window is not None:
-                n_win = np.minimum(counts, window)  # 0 for a request with no window: no rows
-                rows = np.repeat(q_indptr[1:] - n_win, n_win) + np.arange(int(n_win.sum())) - np.repeat(
-                    np.cumsum(n_win) - n_win, n_win)
-                step.window_indices = torch.from_numpy(rows).to(self.device)
+            if rows is not None:  # staged with the tokens: a device cast, no copy from the host
+                step.window_indices = self.window_rows[: len(rows)].to(torch.int64)
             out = self.model(step, self.kv_caches, self.layout, all_logits=all_logits, key_scores=cfg.key_scores,
                              score_out=score_out)
         result = StepResult(
@@ -401,52 +416,60 @@ class ModelRunner:
             graph=graph,
         )
         if window is not None:
-            result.window_votes = self._window_votes(reqs, out.window_queries, n_win, positions[rows])
+            result.window_votes = self._window_votes(reqs, out.window_queries, n_win, step.window_indices)
         for h in self.hooks:
             h.post_forward(self, result)
         return result
 
-    def _window_votes(self, reqs, queries: torch.Tensor, n_win: np.ndarray, q_pos: np.ndarray) -> torch.Tensor:
+    def _window_votes(self, reqs, queries: torch.Tensor, n_win: np.ndarray,
+                      window_indices: torch.Tensor) -> torch.Tensor:
         """Window queries vs each windowed request's live keys, every layer, summed: rows as kv_indices (device).
 
-        NOTE: the keys come from the host table's live slots, in the slot lists'
-        order. A request with a window completes a fresh prompt (the engine
-        evicts nothing before a prompt completes), so the device lists the same
-        keys for it. Its rows start at the DEVICE's ``kv_indptr``: a request
-        before it in a mixed batch may hold victims the device killed and the
-        host has not applied yet, which shifts the device offsets.
+        Everything comes from device buffers (no host copy, no sync): the
+        keys' slots and ids are the request's rows of the slot lists
+        (``kv_indices``, ``kv_pos``), the queries' positions are the staged
+        ``positions`` at ``window_indices``; only the row counts are host ints.
+
+        NOTE: a request with a window completes a fresh prompt (the engine
+        evicts nothing before a prompt completes), so the device lists exactly
+        the host table's live keys for it, in logical order. Its rows start at
+        the DEVICE's ``kv_indptr``: a request before it in a mixed batch may
+        hold victims the device killed and the host has not applied yet, which
+        shifts the device offsets.
         """
         from vtoken.policies.scores import window_key_scores
 
-        S = self.config.block_size
+        S, sl = self.config.block_size, self.slot_lists
         views = [self.layout.canonical_view(c) for c in self.kv_caches]
-        votes = torch.zeros(self.slot_lists.nnz_max, self.model.config.num_kv_heads, dtype=torch.float32,
-                            device=self.device)
+        votes = torch.zeros(sl.nnz_max, self.model.config.num_kv_heads, dtype=torch.float32, device=self.device)
+        q_pos = self.positions[window_indices]
         lo = 0
         for i, req in enumerate(reqs):
             hi = lo + int(n_win[i])
             if hi == lo:
                 continue
-            slots = torch.from_numpy(self.table.live_slots(req).astype(np.int64)).to(self.device)
-            key_ids = self.table.live_ids(req)
+            rows = sl.kv_indptr[i].to(torch.int64) + torch.arange(self.table.live_count(req), device=self.device)
+            slots = sl.kv_indices[rows].to(torch.int64)
+            key_ids = sl.kv_pos[rows]
             total = None
             for layer, view in enumerate(views):
                 keys = view[slots // S, slots % S, 0]  # [n_live, Hkv, D]
-                s = window_key_scores(queries[layer, lo:hi], keys, key_ids=key_ids, query_ids=q_pos[lo:hi])
+                # validate=False: a window query always sees a key (its own token), and the check reads the device
+                s = window_key_scores(queries[layer, lo:hi], keys, key_ids=key_ids, query_ids=q_pos[lo:hi],
+                                      validate=False)
                 total = s if total is None else total + s
-            rows = self.slot_lists.kv_indptr[i].to(torch.int64) + torch.arange(len(key_ids), device=self.device)
             votes.index_copy_(0, rows, total.to(torch.float32))
             lo = hi
         return votes
 
     # -------------------------------------------------------------- buffers
-    def _stage_tokens(self, ids, positions, q_indptr, *, padded: int) -> None:
-        """Write input ids, positions and q_indptr into their fixed-address buffers (one H2D on CUDA).
+    def _stage_tokens(self, ids, positions, q_indptr, *, padded: int, window_rows=None) -> None:
+        """Write input ids, positions, q_indptr (and window rows) into their fixed-address buffers (one H2D on CUDA).
 
         Graph padding rows (``len(ids) .. padded``) get token 0 at position 0;
         the slot lists give them no key and a PAD slot mapping.
         """
-        t, total, nreq = self.config.max_num_tokens, len(ids), len(q_indptr) - 1
+        t, r, total, nreq = self.config.max_num_tokens, self.config.max_num_reqs, len(ids), len(q_indptr) - 1
         n_tok = max(total, padded)
         host = self._staging.acquire(self._tok.numel()) if self._staging is not None else self._tok
         h = host.numpy()
@@ -455,10 +478,13 @@ class ModelRunner:
         h[t : t + n_tok] = 0
         h[t : t + total] = positions
         h[2 * t : 2 * t + nreq + 1] = q_indptr
+        n = 2 * t + nreq + 1  # only the used prefix of the arena travels
+        if window_rows is not None:
+            w0 = 2 * t + r + 1
+            h[w0 : w0 + len(window_rows)] = window_rows
+            n = w0 + len(window_rows)
         if self._staging is None:
             return
-        # Only the used prefix of the arena travels: [0, 2t + nreq + 1).
-        n = 2 * t + nreq + 1
         self._tok[:n].copy_(host[:n], non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
@@ -475,33 +501,43 @@ class ModelRunner:
         )
 
     # ----------------------------------------------------------- CUDA graphs
+    def warmup(self, score_sink=None) -> None:
+        """Capture the decode graph of every padded batch size (``graph_batch_sizes``) before serving.
+
+        Call once, before the first step, with the ``score_sink`` the decodes
+        will pass (the graphs add key masses into its ``token_mass``). Serving
+        then only replays; the one recapture is of every size at once, when
+        the sink's buffer moved (a mirror arena growth re-allocates it). On
+        CPU, or with graphs off, nothing is captured.
+        """
+        self._graph_sink = score_sink
+        if self.use_graph:
+            self._capture_all(None if score_sink is None else score_sink.token_mass)
+        self.warmed_up = True
+
+    def _capture_all(self, score_out) -> None:
+        self._graphs.clear()  # NOTE: dropped before capturing: graphs over a freed score buffer never replay
+        self._graph_score_out = score_out
+        for b in self.config.graph_batch_sizes:
+            self._graphs[b] = self._capture(b, score_out)
+
     def _replay(self, batch: int, score_out=None) -> ModelOutput:
-        # NOTE: a graph bakes in score_out's address; a re-laid-out mirror's new buffer gets its own capture.
-        key = (batch, None if score_out is None else score_out.data_ptr())
-        g = self._graphs.get(key)
+        if score_out is not self._graph_score_out:
+            self._capture_all(score_out)  # the sink's buffer moved: graphs bake in its address
+        g = self._graphs.get(batch)
         if g is None:
-            for stale in [k for k in self._graphs if k[1] not in (None, key[1])]:
-                del self._graphs[stale]  # captured over a score buffer that no longer exists
-            g = self._capture(batch, score_out)
+            raise InvariantViolation(f"decode graph: padded batch {batch} was not captured at warm-up "
+                                     f"(captured: {sorted(self._graphs)})")
         g.graph.replay()
         return g.output
-
-    def capture_graphs(self, batch_sizes: Optional[Sequence[int]] = None) -> None:
-        """Capture the decode graphs up front (default: every ``graph_batch_sizes``)."""
-        if not self.use_graph:
-            raise InvalidArgumentError("cuda_graph: expected a runner with CUDA graphs on, got off")
-        for b in batch_sizes or self.config.graph_batch_sizes:
-            if b not in self.config.graph_batch_sizes:
-                raise InvalidArgumentError(f"batch_sizes: expected sizes from {self.config.graph_batch_sizes}, got {b}")
-            if (b, None) not in self._graphs:
-                self._capture(b)
 
     def _capture(self, batch: int, score_out=None) -> _Graph:
         """Capture one decode step at padded batch size ``batch`` over the fixed buffers.
 
         The buffers' CURRENT contents are restored after warmup and capture, so
-        lazy capture in the middle of a step replays that step's inputs.
+        a recapture in the middle of a step replays that step's inputs.
         """
+        self.num_graph_captures += 1
         sl = self.slot_lists
         fixed = [self._tok, sl.kv_indices, sl.kv_indptr, sl.slot_mapping]
         saved = [b.clone() for b in fixed]
@@ -526,6 +562,4 @@ class ModelRunner:
             output = self.model(step, self.kv_caches, self.layout, key_scores=ks, score_out=score_out)
         for b, v in zip(fixed, saved):
             b.copy_(v)
-        g = _Graph(graph, output)
-        self._graphs[(batch, None if score_out is None else score_out.data_ptr())] = g
-        return g
+        return _Graph(graph, output)

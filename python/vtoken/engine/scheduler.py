@@ -304,6 +304,10 @@ class Engine:
         self.peak_running = 0
         self.num_preemptions = 0
         self._next_id = 0
+        # CUDA graphs of every padded batch size, captured here, before serving (a no-op on CPU)
+        self.runner.warmup(score_sink=self._score_sink)
+        if self.decisions is not None:
+            self.decisions.warmup(self.runner.slot_lists)
         if config.cpu_threads is not None and self.runner.device.type == "cpu":
             import torch
 

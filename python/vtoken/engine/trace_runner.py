@@ -156,6 +156,7 @@ class TraceRunner:
         # no KV tensors, no device copy of the table: the reclaimer runs its bookkeeping only
         self.kv_caches = self.layout = self.mirror = self.slot_lists = None
         self.use_graph = False
+        self.warmed_up = False
         self.num_graph_replays = 0
         self.reclaimer = None  # set by the scheduler, as on ModelRunner
         self._sources: dict = {}
@@ -180,6 +181,10 @@ class TraceRunner:
         freed = self.reclaimer.finish_request(req) if self.reclaimer is not None else self.table.finish(req)
         self._sources.pop(req, None)
         return freed
+
+    def warmup(self, score_sink=None) -> None:
+        """Before the first step (as :meth:`ModelRunner.warmup`): no model, no graphs to capture."""
+        self.warmed_up = True
 
     def take_forwards(self) -> list:
         """The :class:`Forward` records since the last call, oldest first (a step that got no blocks has none)."""

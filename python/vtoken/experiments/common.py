@@ -418,8 +418,6 @@ def paired_run(model, prompts: Sequence, output_len: int, *, modes: Sequence[str
         else:
             cfg = EngineConfig(mode=mode, policy=policy, policy_config=dict(policy_cfg), **engine_cfg)
             eng = Engine(model, cfg, record_trace=True)
-        if eng.runner.use_graph:
-            eng.runner.capture_graphs()  # CUDA-graph capture is set-up, not serving time
         t0 = time.perf_counter()
         out = eng.generate(prompts, output_len)
         seconds = time.perf_counter() - t0

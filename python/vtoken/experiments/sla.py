@@ -275,8 +275,6 @@ def _point(model, mode: str, cfg: SlaConfig, C: int, tokenizer=None) -> dict:
                         policy_config={} if mode == "native" else policy_config(cfg.policy, cfg.evict_ratio,
                                                                                 cfg.window, cfg.sink, cfg.at))
     eng = timed_engine_class()(model, ecfg)
-    if eng.runner.use_graph:
-        eng.runner.capture_graphs()  # capture is set-up, not serving time
     point = serve(eng, prompts, cfg.output_len, C)
     return {**point, **token_times(eng, WallClock.times(eng.marks))}
 

@@ -288,7 +288,7 @@ def accumulate_batch(accumulators, token_ids, key_scores, kv_indptr, defer=None)
 
 
 def window_key_scores(queries, keys, *, key_ids=None, query_ids=None, scale: float | None = None,
-                      group_heads: bool = True):
+                      group_heads: bool = True, validate: bool = True):
     """Recompute the attention of a query window on the live keys; scores per key and kv head.
 
     Parameters
@@ -308,6 +308,10 @@ def window_key_scores(queries, keys, *, key_ids=None, query_ids=None, scale: flo
     group_heads : bool
         True (default): sum each GQA group's query heads, like ``key_scores``.
         False: one column per query head (SnapKV pools per head).
+    validate : bool
+        True (default): check that every query sees at least one key, which
+        reads the device (a host sync on a GPU). False skips it, for callers
+        that guarantee it (the runner: a window query always sees its own token).
 
     Returns
     -------
@@ -342,7 +346,7 @@ def window_key_scores(queries, keys, *, key_ids=None, query_ids=None, scale: flo
         t = v if isinstance(v, torch.Tensor) else torch.as_tensor(as_index_array(arg, v))
         if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
             raise InvalidTypeError(f"{arg}: expected a 1-D integer array, got {tuple(t.shape)} {t.dtype}")
-        return t.to(dev, torch.int64)
+        return t.to(torch.int64) if t.device == dev else t.to(dev, torch.int64)  # already there: no copy
 
     kpos = _pos("key_ids", key_ids, torch.arange(n, device=dev))
     if kpos.numel() != n:
@@ -353,7 +357,7 @@ def window_key_scores(queries, keys, *, key_ids=None, query_ids=None, scale: flo
     if qpos.numel() != w:
         raise InvalidArgumentError(f"query_ids: expected {w} ids (one per query), got {qpos.numel()}")
     future = kpos[None, :] > qpos[:, None]  # [w, n]
-    if w and n and bool(future.all(dim=1).any()):
+    if validate and w and n and bool(future.all(dim=1).any()):
         raise InvalidArgumentError("query_ids: expected every query to see at least one key, got one before all keys")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     g = hq // hkv
