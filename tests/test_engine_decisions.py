@@ -121,6 +121,9 @@ def test_cuda_graphed_decisions_equal_eager_decisions(policy):
         eng = Engine(model, cfg, record_trace=True)
         out = eng.generate(prompts, 16)
         runs[graphed] = ([r.output for r in out], _decisions(eng.trace), eng.decisions._graphs.replays)
+        g = eng.decisions._graphs
+        if graphed:  # every size at the engine's warm-up, then whole sets only after buffers moved
+            assert g.captures == len(g.sizes) * (1 + g.recaptures)
     torch.cuda.synchronize()
     assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
     assert runs[True][2] > 0 and runs[False][2] == 0
