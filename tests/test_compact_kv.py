@@ -687,6 +687,7 @@ def test_gpu_triton_first_launch_on_new_caches_does_not_sync(monkeypatch):
     warm = build_caches("nhd", torch.float16, 8, 16, 2, 64, 3, device="cuda", seed=8)
     src, dst = random_moves(warm[2].num_slots, 20, 8, device="cuda")
     kmod.compact_kv(warm[1], warm[2], src, dst)  # JIT compile outside the check
+    monkeypatch.setattr(kmod, "_OFFSETS_CACHE", type(kmod._OFFSETS_CACHE)())  # the next launch misses
     arena, caches, layout = build_caches("nhd", torch.float16, 8, 16, 2, 64, 3, device="cuda", seed=9)
     torch.cuda.synchronize()
     before = arena.snapshot()
@@ -700,3 +701,5 @@ def test_gpu_triton_first_launch_on_new_caches_does_not_sync(monkeypatch):
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, layout, src.cpu(), dst.cpu()))
+    (entry,) = kmod._OFFSETS_CACHE.values()  # uploaded once, asynchronously, and waited on by both streams
+    assert entry.event is not None and entry.staging.is_pinned() and len(entry.streams) == 2
