@@ -230,7 +230,8 @@ class Engine:
         runner_factory: builds the runner from the :class:`RunnerConfig` the engine
             derives (default ``ModelRunner(model, ...)``); e.g. a
             :class:`~vtoken.engine.trace_runner.TraceRunner`, the real table without
-            a model forward (``model`` is then unused).
+            a model forward (``model`` is then unused). The engine calls its
+            ``warmup(score_sink=...)`` once, when built (CUDA graphs are captured there).
     """
 
     def __init__(self, model: Optional[LlamaModel], config: EngineConfig, *, policy: PolicyLike = None,
