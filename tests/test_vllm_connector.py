@@ -699,13 +699,15 @@ def _meta(w, reqs, qlens, decode):
     bufs = w.build_slot_lists(reqs, np.asarray(qlens))
     n, total = len(reqs), int(bufs.kv_indptr_host[len(reqs)])
     q_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qlens)]), dtype=torch.int32)
-    return VTokenAttentionMetadata(int(sum(qlens)), n, q_indptr, kv_indices=bufs.kv_indices[:total],
+    kv_indices = bufs.kv_indices if w.fixed_slot_lists is not None else bufs.kv_indices[:total]  # as prepare_step
+    return VTokenAttentionMetadata(int(sum(qlens)), n, q_indptr, kv_indices=kv_indices,
                                    kv_indptr=bufs.kv_indptr[: n + 1], want_scores=w.want_scores,
                                    uniform_decode=decode)
 
 
+@pytest.mark.parametrize("fixed", [None, 1 << 30], ids=["cut_at_total", "fixed_lists"])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(monkeypatch, decode):
+def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(monkeypatch, decode, fixed):
     """One plan (one validation) per step, run by every layer; outputs and summed key masses match the oracle."""
     from test_token_attention import KEY_SCORE_TOL, UNIT_ROUNDOFF
 
@@ -716,7 +718,7 @@ def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(mon
     from vtoken_kernels import contracts
 
     nb, bs, h, d, hq = 12, 16, 2, 32, 4
-    w, caches, shape = _scored_worker(nb, bs, h, d, hq)
+    w, caches, shape = _scored_worker(nb, bs, h, d, hq, fixed=fixed)
     rng = random.Random(1)
     lens = [37, 1, 64, 20]
     reqs = _register(w, lens, rng.sample(range(nb * bs), sum(lens)))
@@ -739,6 +741,7 @@ def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(mon
     monkeypatch.setattr(ops.TokenAttentionStep, "run", run_spy)
     impl = VTokenAttentionImpl(num_heads=hq, head_size=d, scale=d ** -0.5, num_kv_heads=h)
     meta = _meta(w, reqs, qlens, decode)
+    assert meta.kv_indices.numel() == (nb * bs if fixed else sum(lens))  # fixed: the whole buffer, PAD tail
     t = meta.num_actual_tokens
     gen = torch.Generator().manual_seed(2)
     qs = [torch.randn(t + 3, hq, d, generator=gen) for _ in caches]  # vLLM pads its query rows
@@ -764,7 +767,7 @@ def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(mon
     for q, cache, out in zip(qs, caches, outs):
         o, ks = ref_attention(q[:t].double(), cache.double(), lay, meta.kv_indices, meta.kv_indptr,
                               None if decode else meta.q_indptr, scale=d ** -0.5, return_key_scores=True)
-        idx = meta.kv_indices.long()
+        idx = meta.kv_indices[: sum(lens)].long()
         vmax = float(cache[idx // bs, :, idx % bs, d:].abs().max())
         torch.testing.assert_close(out[:t].double(), o, rtol=2 * u, atol=2 * u * vmax)
         assert out[t:].isnan().all()  # padding rows untouched
