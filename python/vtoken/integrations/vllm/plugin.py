@@ -113,7 +113,9 @@ def _install_profile_hook(runner_cls) -> None:
     def profile_run(self, *args, **kwargs):
         # NOTE: vLLM takes the profile's peak (memory_profiling: persistent + transient) as the
         # memory the KV cache may not use. The reserve is live through the dummy forward and the
-        # sampler run, as the worker's preallocated workspaces are through every later step.
+        # sampler run, as the worker's preallocated workspaces are through every later step. They
+        # cannot be allocated before the profile instead: their size follows the KV capacity the
+        # profile decides, and the connector's worker side only exists after it.
         n = workspace.profile_reserve_bytes(self)
         workspace.PROFILE_RESERVE = torch.empty(n, dtype=torch.uint8, device=self.device) if n else None
         try:
