@@ -502,6 +502,38 @@ def test_score_out_over_layers_is_the_sum_of_single_calls(mode, monkeypatch):
         assert torch.equal(acc[touched], want[touched]), backend
 
 
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_plan_with_a_preallocated_workspace_equals_one_that_allocates(mode):
+    """workspace=: the float workspaces are views of it (poisoned first), the results bit-identical."""
+    gen, rng = torch.Generator().manual_seed(53), random.Random(53)
+    cache, lay = make_cache("vllm_fused", 8, 16, 2, 64, torch.float32, gen)
+    lens = [40, 3, 66]
+    idx, ptr = make_lists(lens, lay.num_slots, pad_tail=5, rng=rng)
+    q_indptr, n_q = (None, 3) if mode == "decode" else (torch.tensor([0, 5, 8, 20], dtype=torch.int32), 20)
+    q = torch.randn(n_q, 8, 64, generator=gen)
+    starts, pos, touched, size = make_mirror(lens, idx, ptr, rng)
+    n = tri_mod.workspace_numel(num_q_tokens=n_q, num_q_heads=8, nnz_max=idx.numel(), head_dim=64, max_reqs=3,
+                                scores=True, device="cpu")
+    assert n == 1 + n_q * 8 + 8 * idx.numel()  # CPU: one split, no partials
+    ws = torch.full((n + 7,), float("nan"))
+    runs = []
+    for workspace in (None, ws):
+        step = ops.plan_token_attention(lay, idx, ptr, q_indptr, num_q_heads=8, dtype=torch.float32,
+                                        num_q_tokens=n_q, scores=True, mirror_starts=starts, kv_pos=pos,
+                                        workspace=workspace)
+        acc = torch.zeros(size)
+        runs.append((step.run(q, cache, score_out=acc), acc))
+        if workspace is not None:
+            assert step.plan.lse.untyped_storage().data_ptr() == ws.untyped_storage().data_ptr()
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    with pytest.raises(InvalidArgumentError, match=r"workspace: expected at least \d+ float32 elements, got 4"):
+        ops.plan_token_attention(lay, idx, ptr, q_indptr, num_q_heads=8, dtype=torch.float32, num_q_tokens=n_q,
+                                 scores=True, mirror_starts=starts, kv_pos=pos, workspace=torch.zeros(4))
+    with pytest.raises(InvalidArgumentError, match="workspace: expected a 1-D float32 tensor"):
+        ops.plan_token_attention(lay, idx, ptr, q_indptr, num_q_heads=8, dtype=torch.float32, num_q_tokens=n_q,
+                                 workspace=torch.zeros(n, dtype=torch.float16))
+
+
 def test_plan_runs_with_lists_overwritten_in_place():
     """A decode plan keeps its index tensors: overwriting them in place and running again equals a fresh call."""
     gen, rng = torch.Generator().manual_seed(52), random.Random(52)

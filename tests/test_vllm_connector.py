@@ -509,7 +509,9 @@ def test_full_decode_graphs_opt_in_reports_uniform_decode_and_keeps_every_addres
 
     runs = {}
     for full in (False, True):
-        sched, fw = setup(model_dir, "vtoken", n=5, max_tokens=40, v2_builder=True, full_decode_graphs=full)
+        # NOTE: no prefix caching: the connector refuses it with full_decode_graphs (fixed lists sized by slots).
+        sched, fw = setup(model_dir, "vtoken", n=5, max_tokens=40, v2_builder=True, full_decode_graphs=full,
+                          prefix_caching=False)
         support = VTokenAttentionMetadataBuilder.get_cudagraph_support(sched.vllm_config, None)
         assert support == (AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if full else AttentionCGSupport.NEVER)
         decisions = _decisions_of(sched)
@@ -664,3 +666,221 @@ def test_connector_refuses_dual_batch_overlap_and_micro_batching(model_dir):
             VTokenConnector(cfg, KVConnectorRole.SCHEDULER)
         setattr(cfg.parallel_config, field, type(value)(0))
     assert VTokenConnector(cfg, KVConnectorRole.SCHEDULER).scheduler_side is not None
+
+
+# --------------------------------------------------------------------------- attention plan and workspaces
+def _scored_worker(num_blocks, bs, h, d, hq, *, max_reqs=8, max_tokens=64, fixed=None, layers=3, seed=0):
+    """A WorkerSide with an exact-score policy (H2O) and its attention workspace, over ``layers`` random caches."""
+    from vtoken import policies
+    from vtoken.integrations.vllm.workspace import AttentionWorkspace
+
+    from vtoken.integrations.vllm.worker import WorkerSide
+
+    gen = torch.Generator().manual_seed(seed)
+    shape = AttentionWorkspace(num_q_heads=hq, head_dim=d, max_reqs=max_reqs, max_tokens=max_tokens, scores=True)
+    w = WorkerSide(max_reqs=max_reqs, max_tokens=max_tokens, max_moves=16, policy=policies.get("h2o", **H2O),
+                   fixed_slot_lists=fixed, attention=shape)
+    caches = {f"layer{i}": torch.randn(num_blocks, h, bs, 2 * d, generator=gen) for i in range(layers)}
+    w.register_kv_caches(caches)
+    return w, list(caches.values()), shape
+
+
+def _register(w, lens, slots):
+    """Register requests r0.. with ``lens[i]`` tokens at ``slots`` (concatenated) in the worker's mirror."""
+    n = len(lens)
+    w.mirror.apply([("add", r, f"r{r}") for r in range(n)]
+                   + [("append", np.arange(n), np.asarray(lens), np.asarray(slots))])
+    return [f"r{r}" for r in range(n)]
+
+
+def _meta(w, reqs, qlens, decode):
+    from vtoken.integrations.vllm.attention import VTokenAttentionMetadata
+
+    bufs = w.build_slot_lists(reqs, np.asarray(qlens))
+    n, total = len(reqs), int(bufs.kv_indptr_host[len(reqs)])
+    q_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qlens)]), dtype=torch.int32)
+    kv_indices = bufs.kv_indices if w.fixed_slot_lists is not None else bufs.kv_indices[:total]  # as prepare_step
+    return VTokenAttentionMetadata(int(sum(qlens)), n, q_indptr, kv_indices=kv_indices,
+                                   kv_indptr=bufs.kv_indptr[: n + 1], want_scores=w.want_scores,
+                                   uniform_decode=decode)
+
+
+@pytest.mark.parametrize("fixed", [None, 1 << 30], ids=["cut_at_total", "fixed_lists"])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(monkeypatch, decode, fixed):
+    """One plan (one validation) per step, run by every layer; outputs and summed key masses match the oracle."""
+    from test_token_attention import KEY_SCORE_TOL, UNIT_ROUNDOFF
+
+    from vtoken import ops
+    from vtoken.integrations.vllm import worker as worker_mod
+    from vtoken.integrations.vllm.attention import VTokenAttentionImpl
+    from vtoken.reference.token_attention import token_attention as ref_attention
+    from vtoken_kernels import contracts
+
+    nb, bs, h, d, hq = 12, 16, 2, 32, 4
+    w, caches, shape = _scored_worker(nb, bs, h, d, hq, fixed=fixed)
+    rng = random.Random(1)
+    lens = [37, 1, 64, 20]
+    reqs = _register(w, lens, rng.sample(range(nb * bs), sum(lens)))
+    qlens = [1, 1, 1, 1] if decode else [5, 1, 9, 3]
+    calls = {"plan": 0, "validate": 0, "key_scores": 0}
+    plan, validate, run = ops.plan_token_attention, contracts.validate_token_attention_step_args, ops.TokenAttentionStep.run
+
+    def count(name, fn):
+        def spy(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return spy
+
+    def run_spy(self, *a, **k):
+        calls["key_scores"] += bool(k.get("return_key_scores"))  # the [nnz, kv_heads] allocation
+        return run(self, *a, **k)
+
+    monkeypatch.setattr(ops, "plan_token_attention", count("plan", plan))
+    monkeypatch.setattr(contracts, "validate_token_attention_step_args", count("validate", validate))
+    monkeypatch.setattr(ops.TokenAttentionStep, "run", run_spy)
+    impl = VTokenAttentionImpl(num_heads=hq, head_size=d, scale=d ** -0.5, num_kv_heads=h)
+    meta = _meta(w, reqs, qlens, decode)
+    assert meta.kv_indices.numel() == (nb * bs if fixed else sum(lens))  # fixed: the whole buffer, PAD tail
+    t = meta.num_actual_tokens
+    gen = torch.Generator().manual_seed(2)
+    qs = [torch.randn(t + 3, hq, d, generator=gen) for _ in caches]  # vLLM pads its query rows
+    worker_mod.set_current(w)
+    try:
+        outs = []
+        for q, cache in zip(qs, caches):
+            out = torch.full((t + 3, hq, d), float("nan"))
+            impl.forward(None, q, None, None, cache, meta, out)
+            outs.append(out)
+    finally:
+        worker_mod.set_current(None)
+    assert calls == {"plan": 1, "validate": 1, "key_scores": 0} and w.stats["attention_plans"] == 1
+    ws = w._workspace.untyped_storage().data_ptr()
+    assert meta.plan.plan.lse.untyped_storage().data_ptr() == ws  # carved from the preallocated workspace
+    if decode:
+        assert meta.plan.plan.logits.untyped_storage().data_ptr() == ws
+    # Oracle: the float64 reference per layer; key masses summed over layers and kv heads.
+    lay = w.layout
+    total = meta.kv_indices.numel()
+    u = UNIT_ROUNDOFF[torch.float32]
+    mass = torch.zeros(total, dtype=torch.float64)
+    for q, cache, out in zip(qs, caches, outs):
+        o, ks = ref_attention(q[:t].double(), cache.double(), lay, meta.kv_indices, meta.kv_indptr,
+                              None if decode else meta.q_indptr, scale=d ** -0.5, return_key_scores=True)
+        idx = meta.kv_indices[: sum(lens)].long()
+        vmax = float(cache[idx // bs, :, idx % bs, d:].abs().max())
+        torch.testing.assert_close(out[:t].double(), o, rtol=2 * u, atol=2 * u * vmax)
+        assert out[t:].isnan().all()  # padding rows untouched
+        mass += ks.sum(dim=1)
+    torch.testing.assert_close(w.score_out[:total].double(), mass, rtol=KEY_SCORE_TOL["rtol"],
+                               atol=KEY_SCORE_TOL["atol"] * len(caches) * hq * max(qlens))
+
+
+def test_grown_slot_lists_plan_decode_without_logits_and_keep_the_workspace():
+    """Shared prefixes list more keys than the workspace's entries: decode plans on the varlen path, same result."""
+    from vtoken.integrations.vllm import worker as worker_mod
+    from vtoken.integrations.vllm.attention import VTokenAttentionImpl
+    from vtoken.reference.token_attention import token_attention as ref_attention
+
+    nb, bs, h, d, hq = 4, 16, 1, 16, 2
+    w, caches, shape = _scored_worker(nb, bs, h, d, hq, max_reqs=8, layers=1)
+    ws, entries = w._workspace.data_ptr(), w._workspace_entries
+    assert entries == nb * bs and w._workspace.numel() == shape.attention_numel(nb * bs, "cpu")
+    n, prefix = 6, np.arange(40)  # 6 requests x 41 keys = 246 entries > 64 slots
+    slots = np.concatenate([np.concatenate([prefix, [40 + r]]) for r in range(n)])
+    reqs = _register(w, [41] * n, slots)
+    meta = _meta(w, reqs, [1] * n, decode=True)
+    assert w.stats["slot_list_grows"] == 1 and meta.kv_indices.numel() == 41 * n > entries
+    impl = VTokenAttentionImpl(num_heads=hq, head_size=d, scale=d ** -0.5, num_kv_heads=h)
+    q = torch.randn(n, hq, d, generator=torch.Generator().manual_seed(3))
+    out = torch.full((n, hq, d), float("nan"))
+    worker_mod.set_current(w)
+    try:
+        impl.forward(None, q, None, None, caches[0], meta, out)
+    finally:
+        worker_mod.set_current(None)
+    assert not meta.plan.args.decode and meta.plan.plan.logits.numel() == 1  # no [hq, entries] logits
+    assert w._workspace.data_ptr() == ws and w._workspace_entries == entries  # never reallocated
+    o, ks = ref_attention(q.double(), caches[0].double(), w.layout, meta.kv_indices, meta.kv_indptr, None,
+                          scale=d ** -0.5, return_key_scores=True)
+    u, idx = 2.0**-16, meta.kv_indices.long()  # fp32's row of tests/test_token_attention.py's tolerance table
+    vmax = float(caches[0][idx // bs, :, idx % bs, d:].abs().max())
+    torch.testing.assert_close(out.double(), o, rtol=2 * u, atol=2 * u * vmax)
+    torch.testing.assert_close(w.score_out[: 41 * n].double(), ks.double().sum(dim=1), rtol=1e-4, atol=1e-5 * hq)
+
+
+def test_fixed_slot_lists_and_workspace_are_sized_by_the_kv_cache_slots():
+    """Full decode graphs: the fixed lists hold the KV cache's slots, not max_num_seqs x max_model_len."""
+    from vtoken_kernels.token_attention import workspace_numel
+
+    nb, bs, h, d, hq = 10, 16, 2, 32, 8
+    logical = 256 * 131072  # vLLM's defaults: 33.5M entries
+    w, _, shape = _scored_worker(nb, bs, h, d, hq, max_reqs=256, max_tokens=8192, fixed=logical, layers=1)
+    slots = nb * bs
+    assert w.fixed_slot_lists == w.buffers.nnz_max == w._scores.numel() == w._entry_pos.numel() == slots
+    expected = workspace_numel(num_q_tokens=8192, num_q_heads=hq, nnz_max=slots, head_dim=d, max_reqs=256,
+                               scores=True, device="cpu")
+    assert w._workspace.numel() == expected == 1 + 8192 * hq + hq * slots  # CPU: no split partials
+    assert shape.nbytes(slots, "cpu") == 12 * slots + 4 * expected
+    # A tiny model's bound is the logical one.
+    w2, _, _ = _scored_worker(nb, bs, h, d, hq, max_reqs=2, fixed=2 * 50, layers=1)
+    assert w2.buffers.nnz_max == 100
+
+
+def test_listed_capacity_and_profile_reserve_bound_the_workspace_by_the_kv_capacity(model_dir):
+    """The profiling reserve covers the workspaces of the most KV tokens the free memory could hold."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vtoken.errors import InvalidArgumentError
+    from vtoken.integrations.vllm.workspace import listed_capacity, reserve_bytes_for, workspace_shape
+    from vtoken.integrations.vllm.config import VTokenVLLMConfig
+    from vllm_sched_harness import make_scheduler
+
+    assert listed_capacity(1 << 20, 256, 131072) == 1 << 20
+    assert listed_capacity(1 << 20, 4, 1000) == 4000
+    with pytest.raises(InvalidArgumentError, match="num_slots: expected an int >= 1"):
+        listed_capacity(0, 1, 1)
+    sched = make_scheduler(model_dir, block_size=BS, num_blocks=64, prefix_caching=True, max_num_seqs=8,
+                           max_num_batched_tokens=2048, async_scheduling=False, extra=extra("vtoken"))
+    cfg = sched.vllm_config
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float16)
+    specs = {f"l{i}": spec for i in range(4)}
+    per_token = 4 * spec.page_size_bytes // BS  # 4 layers x K and V x 2 heads x 32 x 2 B = 1 KiB
+    assert per_token == 1024
+    shape = workspace_shape(cfg, VTokenVLLMConfig.from_extra_config(extra("vtoken")))
+    assert shape.scores and shape.max_reqs == 8 and shape.max_tokens == 2048
+    max_model_len = cfg.model_config.max_model_len
+    free = 200 * per_token + 1000  # room for 200 tokens
+    assert reserve_bytes_for(cfg, specs, free, "cpu") == shape.nbytes(min(200, 8 * max_model_len), "cpu")
+    assert reserve_bytes_for(cfg, specs, 0, "cpu") == 0
+
+
+def test_profile_run_holds_the_reserve_through_the_profiling_forward(monkeypatch):
+    """The plugin's profile_run hook allocates the reserve before vLLM's profile and frees it after."""
+    from vtoken.integrations.vllm import plugin, workspace
+
+    seen = []
+
+    class Runner:
+        device = torch.device("cpu")
+
+        def profile_run(self, randomize_inputs=False):
+            r = workspace.PROFILE_RESERVE
+            seen.append(None if r is None else (r.numel(), r.dtype))
+
+    plugin._install_profile_hook(Runner)
+    monkeypatch.setattr(workspace, "profile_reserve_bytes", lambda runner: 12345)
+    Runner().profile_run()
+    assert seen == [(12345, torch.uint8)] and workspace.PROFILE_RESERVE is None
+    monkeypatch.setattr(workspace, "profile_reserve_bytes", lambda runner: 0)
+    Runner().profile_run()
+    assert seen[-1] is None
+
+
+def test_connector_refuses_full_decode_graphs_with_prefix_caching(model_dir):
+    from vllm_sched_harness import make_scheduler
+
+    with pytest.raises(ValueError, match="enable_prefix_caching: expected False with full_decode_graphs"):
+        make_scheduler(model_dir, block_size=BS, num_blocks=64, prefix_caching=True, max_num_seqs=8,
+                       max_num_batched_tokens=2048, async_scheduling=False,
+                       extra=extra("vtoken", full_decode_graphs=True))

@@ -156,6 +156,9 @@ class TokenAttentionPlan:
         num_splits: decode kv splits, ``None`` to pick from the shapes.
         scores: allocate the score workspaces (needed by ``return_key_scores`` or ``score_out``).
         mirror_starts, kv_pos: where ``score_out`` entries go (see :func:`token_attention`).
+        workspace: float32 ``[>= workspace_numel(...)]`` on ``device``, or None: the float
+            workspaces are carved from it instead of allocated (a caller that plans every
+            step preallocates once; :func:`workspace_numel` bounds what a plan takes).
 
     Example::
 
@@ -166,7 +169,7 @@ class TokenAttentionPlan:
     """
 
     def __init__(self, a, layout, kv_indices, kv_indptr, q_indptr=None, *, dtype, device, num_splits=None,
-                 scores=False, mirror_starts=None, kv_pos=None):
+                 scores=False, mirror_starts=None, kv_pos=None, workspace=None):
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
             raise InvalidArgumentError(f"num_splits: expected an int >= 1 or None, got {num_splits!r}")
         device = torch.device(device)
@@ -179,17 +182,17 @@ class TokenAttentionPlan:
         self.splits = 1
         if a.decode:
             self.splits = num_splits if num_splits is not None else _auto_splits(device, a.num_reqs, a.num_kv_heads, a.nnz_max)
-        f32 = dict(dtype=torch.float32, device=device)
+        take = _Carver(workspace, device)
         # Dummy pointers for arguments a constexpr switches off; never dereferenced.
-        dummy = self._dummy = torch.empty(1, **f32)
-        self.lse = torch.empty(a.num_q_tokens, a.num_q_heads, **f32) if self.scores else dummy
+        dummy = self._dummy = take(1)
+        self.lse = take(a.num_q_tokens, a.num_q_heads) if self.scores else dummy
         if self.splits > 1:
-            self.mid_o = torch.empty(a.num_q_tokens, a.num_q_heads, self.splits, cfg["BLOCK_D"], **f32)
-            self.mid_lse = torch.empty(a.num_q_tokens, a.num_q_heads, self.splits, **f32)
+            self.mid_o = take(a.num_q_tokens, a.num_q_heads, self.splits, cfg["BLOCK_D"])
+            self.mid_lse = take(a.num_q_tokens, a.num_q_heads, self.splits)
         else:
             self.mid_o = self.mid_lse = dummy
         # Decode with scores: the main pass writes every key's fp32 q.k (one K read); see the module docstring.
-        self.logits = torch.empty(a.num_q_heads, a.nnz_max, **f32) if (self.scores and a.decode) else dummy
+        self.logits = take(a.num_q_heads, a.nnz_max) if (self.scores and a.decode) else dummy
         if a.decode or self.empty:
             self.grid_t = a.num_reqs
             self.tile_req = self.tile_q0 = self.q_ptr_arg = kv_indptr  # unused (IS_DECODE=True)
@@ -276,6 +279,52 @@ class TokenAttentionPlan:
                 **self.common, **flags,
             )
         return (out, key_scores) if return_key_scores else out
+
+
+def workspace_numel(*, num_q_tokens: int, num_q_heads: int, nnz_max: int, head_dim: int, max_reqs: int,
+                    scores: bool, device) -> int:
+    """float32 elements a :class:`TokenAttentionPlan` on ``device`` takes from its ``workspace``, at most.
+
+    For any step with at most ``num_q_tokens`` query rows, ``max_reqs`` requests and
+    ``nnz_max`` listed keys: the dummy pointer, ``lse`` ``[T, Hq]`` (scores), the
+    decode split partials ``[R, Hq, splits, BLOCK_D + 1]`` (CUDA only; ``R x splits
+    <= R + 2 x SMs`` from :func:`_auto_splits`) and the decode logits ``[Hq, nnz_max]``
+    (scores).
+    """
+    device = torch.device(device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    n = 1
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        rows = min(max_reqs * MAX_SPLITS, max_reqs + 2 * _sm_count(idx))
+        n += rows * num_q_heads * (block_d + 1)
+    if scores:
+        n += num_q_tokens * num_q_heads + num_q_heads * nnz_max
+    return n
+
+
+class _Carver:
+    """float32 views carved one after another from a preallocated workspace, or fresh tensors without one."""
+
+    def __init__(self, workspace, device):
+        if workspace is not None and (workspace.dtype != torch.float32 or workspace.dim() != 1
+                                      or workspace.device.type != device.type):
+            raise InvalidArgumentError(f"workspace: expected a 1-D float32 tensor on {device}, got "
+                                       f"{workspace.dtype} {tuple(workspace.shape)} on {workspace.device}")
+        self.workspace, self.device, self.used = workspace, device, 0
+
+    def __call__(self, *shape):
+        if self.workspace is None:
+            return torch.empty(*shape, dtype=torch.float32, device=self.device)
+        n = 1
+        for d in shape:
+            n *= d
+        if self.used + n > self.workspace.numel():
+            raise InvalidArgumentError(f"workspace: expected at least {self.used + n} float32 elements, "
+                                       f"got {self.workspace.numel()}")
+        out = self.workspace[self.used: self.used + n].view(*shape)
+        self.used += n
+        return out
 
 
 def _config(a) -> dict:

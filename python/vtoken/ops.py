@@ -165,7 +165,7 @@ class TokenAttentionStep:
 
 
 def plan_token_attention(layout, kv_indices, kv_indptr, q_indptr=None, *, num_q_heads, dtype, num_q_tokens=None,
-                         scale=None, scores=False, mirror_starts=None, kv_pos=None):
+                         scale=None, scores=False, mirror_starts=None, kv_pos=None, workspace=None):
     """Plan one step of :func:`token_attention` over the step's fixed-address slot lists.
 
     Validates the step's half of the contract once (slot lists, ``mirror_starts``
@@ -188,6 +188,10 @@ def plan_token_attention(layout, kv_indices, kv_indptr, q_indptr=None, *, num_q_
         scores: allocate the score workspaces (``return_key_scores`` / ``score_out`` need them).
         mirror_starts: int64 ``[>= num_reqs]``; kv_pos: int32 ``[nnz_max]``: where
             each key's mass goes in ``score_out`` (``mirror_starts[r] + kv_pos[j]``).
+        workspace: float32 ``[n]`` or None: the Triton plan carves its float workspaces
+            from it rather than allocating them (n from
+            :func:`vtoken_kernels.token_attention.workspace_numel`); the torch
+            reference allocates its own.
 
     Example::
 
@@ -222,19 +226,19 @@ def plan_token_attention(layout, kv_indices, kv_indptr, q_indptr=None, *, num_q_
         head_dim=getattr(layout, "head_dim", 0), device=device, scale=scale, mirror_starts=mirror_starts,
         kv_pos=kv_pos, content_checks=True if backend == "torch" else None)
     plan = _make_plan(backend, a, layout, kv_indices, kv_indptr, q_indptr, dtype, device, scale, scores,
-                      mirror_starts, kv_pos)
+                      mirror_starts, kv_pos, workspace)
     step = TokenAttentionStep(plan, a, layout, dtype, bool(scores), mirror_starts is not None)
     step.index_tensors = (kv_indices, kv_indptr, mirror_starts, kv_pos)
     return step
 
 
 def _make_plan(backend, a, layout, kv_indices, kv_indptr, q_indptr, dtype, device, scale, scores,
-               mirror_starts, kv_pos):
+               mirror_starts, kv_pos, workspace=None):
     if backend == "triton":
         from vtoken_kernels.token_attention import TokenAttentionPlan
 
         return TokenAttentionPlan(a, layout, kv_indices, kv_indptr, q_indptr, dtype=dtype, device=device,
-                                  scores=scores, mirror_starts=mirror_starts, kv_pos=kv_pos)
+                                  scores=scores, mirror_starts=mirror_starts, kv_pos=kv_pos, workspace=workspace)
     from vtoken.reference.token_attention import TokenAttentionReferencePlan
 
     return TokenAttentionReferencePlan(layout, kv_indices, kv_indptr, q_indptr, scale=scale,

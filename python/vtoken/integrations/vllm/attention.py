@@ -25,7 +25,12 @@ the connector's ``full_decode_graphs`` it reports
 the worker's fixed-address slot lists (sized for the worst case, never moved,
 padding rows empty), uniform decode takes the decode kernel path (launch
 parameters from shapes only), and the key-score accumulation is a kernel of
-the forward, so a captured graph replays the step. Not yet run on a GPU: see
+the forward (``score_out``), so a captured graph replays the step.
+
+Per step the first layer plans ``token_attention`` (:meth:`vtoken.integrations.
+vllm.worker.WorkerSide.plan_attention`) and every layer runs the plan, as the
+embedded engine does: no per-layer validation of the slot lists, no per-layer
+allocation; the workspaces come from one buffer the worker preallocated. Not yet run on a GPU: see
 docs/vllm.md, "CUDA graphs".
 
 Selection: ``AttentionBackendEnum.CUSTOM`` (registered by the plugin; select
@@ -54,10 +59,8 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from vtoken import ops
 from vtoken.errors import InvariantViolation
 from vtoken.integrations.vllm import worker as worker_mod
-from vtoken.layout import KVLayout
 from vtoken_kernels.contracts import MAX_HEAD_DIM
 
 CONNECTOR_NAME = "VTokenConnector"
@@ -137,6 +140,8 @@ class VTokenAttentionMetadata:
     kv_indptr: Optional[torch.Tensor] = None  # int32 [num_reqs + 1], padding rows empty
     want_scores: bool = False
     uniform_decode: bool = False  # one query per request (padded rows included): the decode kernel path
+    plan: Optional[object] = None  # the step's ops.TokenAttentionStep, planned by the first layer, run by all
+    plan_key: Optional[tuple] = None  # (num_q_heads, dtype, scale) it was planned for
 
 
 class VTokenAttentionMetadataBuilder(AttentionMetadataBuilder[VTokenAttentionMetadata]):
@@ -205,15 +210,6 @@ class VTokenAttentionImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
-        self._layout_key = None
-        self._layout: Optional[KVLayout] = None
-
-    def _layout_of(self, kv_cache: torch.Tensor) -> KVLayout:
-        key = (tuple(kv_cache.shape), tuple(kv_cache.stride()))
-        if key != self._layout_key:
-            self._layout = KVLayout.from_tensor(kv_cache, worker_mod.KV_LAYOUT_NAME)
-            self._layout_key = key
-        return self._layout
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
@@ -247,15 +243,11 @@ class VTokenAttentionImpl(AttentionImpl):
         if attn_metadata.kv_indices is None:
             out.zero_()
             return output
-        # Uniform decode takes the decode path (no q_indptr): its launch depends only on shapes, so a
-        # full CUDA graph captured over the fixed-address slot lists replays correctly.
-        res = ops.token_attention(
-            query[:t], kv_cache, self._layout_of(kv_cache), attn_metadata.kv_indices, attn_metadata.kv_indptr,
-            None if attn_metadata.uniform_decode else attn_metadata.q_indptr, scale=self.scale,
-            return_key_scores=attn_metadata.want_scores, out=out,
-        )
-        if attn_metadata.want_scores:
-            worker_mod.current().add_key_scores(res[1])
+        # NOTE: vLLM hands every layer of a KV cache group the same metadata object, so the first
+        # layer plans the step (validation, tiling, workspaces) and the others only run the plan.
+        worker = worker_mod.current()
+        step = worker.plan_attention(attn_metadata, num_q_heads=self.num_heads, dtype=query.dtype, scale=self.scale)
+        step.run(query[:t], kv_cache, out=out, score_out=worker.score_out if attn_metadata.want_scores else None)
         return output
 
 

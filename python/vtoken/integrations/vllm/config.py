@@ -26,8 +26,9 @@ Keys (all optional):
                      graphs (the builder then reports
                      ``UNIFORM_SINGLE_TOKEN_DECODE``; default ``False``: it
                      has not run on a GPU yet, see docs/vllm.md, "CUDA graphs").
-                     The slot-list buffers are then sized for the worst case
-                     (``max_num_seqs x max_model_len`` entries) and never move.
+                     The slot-list buffers are then fixed at the KV cache's
+                     slots (``num_gpu_blocks x block_size``) and never move, so
+                     prefix caching must be off (refused otherwise).
 ``check_invariants`` run vtoken's invariant checks every step on both sides
                      (table/ledger vs vLLM's block lists, mirror vs slot
                      mapping, I1 around copies). ``None`` (default) reads

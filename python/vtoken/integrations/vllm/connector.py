@@ -74,6 +74,13 @@ class VTokenConnector(KVConnectorBase_V1):
                 "pipeline_parallel_size: expected 1 with the vtoken connector, "
                 f"got {vllm_config.parallel_config.pipeline_parallel_size}"
             )
+        if self.vtoken_config.full_decode_graphs and vllm_config.cache_config.enable_prefix_caching:
+            # NOTE: the fixed slot lists hold one entry per KV cache slot (what can be resident); a
+            # prefix-cache hit lists a shared slot once per holder, past that bound.
+            raise InvalidArgumentError(
+                "enable_prefix_caching: expected False with full_decode_graphs (fixed slot lists sized by the "
+                "KV cache's slots), got True"
+            )
         if vllm_config.parallel_config.use_ubatching:
             # NOTE: micro-batches split one step's batch into separately built attention inputs; the
             # worker builds one set of slot lists per step and applies each step's table events once.
@@ -91,19 +98,21 @@ class VTokenConnector(KVConnectorBase_V1):
         else:
             from vtoken.integrations.vllm import worker
 
+            from vtoken.integrations.vllm.workspace import workspace_shape
+
             rc = self.vtoken_config.make_reclaim_config()
-            sc = vllm_config.scheduler_config
             # A full decode graph's batch is padded up to a capture size, which may pass max_num_seqs.
-            capture = vllm_config.compilation_config.max_cudagraph_capture_size or 0
-            full = self.vtoken_config.full_decode_graphs
+            shape = workspace_shape(vllm_config, self.vtoken_config)
+            # NOTE: fixed slot lists are bounded by the KV cache's slots at register_kv_caches
+            # (docs/vllm.md, "Memory"); max_num_seqs x max_model_len only caps a tiny model's.
             self.worker_side = worker.WorkerSide(
-                max_reqs=max(sc.max_num_seqs, capture) if full else sc.max_num_seqs,
-                max_tokens=max(sc.max_num_batched_tokens, capture) if full else sc.max_num_batched_tokens,
+                max_reqs=shape.max_reqs, max_tokens=shape.max_tokens,
                 max_moves=rc.max_moves_per_step, policy=self.vtoken_config.make_policy(),
                 reduce_scores=_tensor_parallel_sum(vllm_config), force_sync=rc.force_sync,
                 checking=self.vtoken_config.checking,
-                fixed_slot_lists=(sc.max_num_seqs * vllm_config.model_config.max_model_len
+                fixed_slot_lists=(vllm_config.scheduler_config.max_num_seqs * vllm_config.model_config.max_model_len
                                   if self.vtoken_config.full_decode_graphs else None),
+                attention=shape,
             )
             worker.set_current(self.worker_side)
         logger.info("vtoken connector (%s role): mode=%s policy=%s", role.name, self.vtoken_config.mode,

@@ -13,7 +13,11 @@ core, workers) before building a model. It:
    V1 runner (the V1 CPU runner inherits them) to publish the batch's request
    order to vtoken's metadata builder: on V1 neither the builders nor the
    connector receive request ids. Model Runner V2 passes them to the
-   connector's ``start_load_kv`` and needs no hook.
+   connector's ``start_load_kv`` and needs no hook;
+4. wraps ``profile_run`` of both runners to hold, during vLLM's profiling
+   forward, the memory the worker's attention workspaces take later
+   (:func:`vtoken.integrations.vllm.workspace.profile_reserve_bytes`), so the
+   KV cache is sized without it (docs/vllm.md, "Memory").
 
 The connector itself needs no registration: ``kv_connector_module_path``
 loads it. :func:`register` is idempotent and never raises on an unsupported
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 import functools
 import logging
+
+import torch
 
 logger = logging.getLogger("vtoken.vllm")
 
@@ -89,3 +95,33 @@ def _install_runner_hook() -> None:
             self._vtoken_in_dummy_run = prev
 
     GPUModelRunner._dummy_run = _dummy_run
+    _install_profile_hook(GPUModelRunner)
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+
+    _install_profile_hook(GPUModelRunnerV2)
+
+
+def _install_profile_hook(runner_cls) -> None:
+    """Hold the workspaces' reserve during ``runner_cls.profile_run`` (see module docstring, 4.)."""
+    from vtoken.integrations.vllm import workspace
+
+    profile = runner_cls.profile_run
+    if getattr(profile, "_vtoken_hook", False):
+        return
+
+    @functools.wraps(profile)
+    def profile_run(self, *args, **kwargs):
+        # NOTE: vLLM takes the profile's peak (memory_profiling: persistent + transient) as the
+        # memory the KV cache may not use. The reserve is live through the dummy forward and the
+        # sampler run, as the worker's preallocated workspaces are through every later step. They
+        # cannot be allocated before the profile instead: their size follows the KV capacity the
+        # profile decides, and the connector's worker side only exists after it.
+        n = workspace.profile_reserve_bytes(self)
+        workspace.PROFILE_RESERVE = torch.empty(n, dtype=torch.uint8, device=self.device) if n else None
+        try:
+            return profile(self, *args, **kwargs)
+        finally:
+            workspace.PROFILE_RESERVE = None
+
+    profile_run._vtoken_hook = True
+    runner_cls.profile_run = profile_run

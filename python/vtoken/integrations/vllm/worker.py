@@ -19,8 +19,11 @@ Per step:
   batch in the runner's row order, and the attention metadata vLLM built
   for the step is pointed at them (Model Runner V2 builds it before it
   hands the connector the step's events, the V1 runner after);
-- the attention backend adds each layer's ``token_attention`` key scores into
-  one per-step buffer (:meth:`WorkerSide.add_key_scores`);
+- the attention backend plans ``token_attention`` once per step
+  (:meth:`WorkerSide.plan_attention`: validation, tiling, workspaces carved
+  from one buffer preallocated at ``register_kv_caches``) and runs the plan
+  per layer, which adds each listed key's mass in place into one per-step
+  score buffer (``score_out``; nothing per layer is allocated or zeroed);
 - ``wait_for_save`` (after the forward): the eviction decision runs on the
   device (:class:`vtoken.decision_loop.DecisionLoop`: the step's key masses,
   summed over tensor-parallel ranks on the device, the device policy, the
@@ -41,12 +44,13 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from vtoken import invariants
+from vtoken import invariants, ops
 from vtoken.buffers import DeviceMirror, SlotListBuffers
 from vtoken.copy_engine import CopyEngine
 from vtoken.decision_loop import DecisionLoop
 from vtoken.errors import InvalidArgumentError, InvariantViolation
 from vtoken.integrations.vllm.meta import StepDecisions, VTokenConnectorMetadata, VTokenWorkerMetadata
+from vtoken.integrations.vllm.workspace import AttentionWorkspace
 from vtoken.layout import KVLayout
 
 KV_LAYOUT_NAME = "vllm_fused"  # vLLM 0.32's per-layer view [num_blocks, H, block_size, 2*D] (docs/vllm.md)
@@ -75,21 +79,31 @@ class WorkerSide:
         max_moves: relocation moves per step bound (``reclaim.max_moves_per_step``).
         policy: the eviction policy (with a device path), or None (native mode: no decisions).
         reduce_scores: sums a float tensor over the tensor-parallel ranks in place (None: one rank).
-        fixed_slot_lists: size the slot lists for this many entries and never move them (full CUDA
-            graphs replay captured addresses); None: sized by physical slots, grown when needed.
+        fixed_slot_lists: fix the slot lists at min(this bound, the physical slots) entries and never
+            move them (full CUDA graphs replay captured addresses; the connector passes
+            ``max_num_seqs x max_model_len`` and refuses prefix caching, so no batch lists more
+            keys than there are slots); None: sized by physical slots, grown when needed.
+        attention: the shapes that size the attention workspace, preallocated with the slot
+            lists; None: each step's plan allocates its own.
         force_sync: the host waits on every relocation copy (ablation).
         checking: run the debug checks (slot mapping vs vLLM's, I1 around copies).
     """
 
     def __init__(self, *, max_reqs: int, max_tokens: int, max_moves: int, policy=None,
                  reduce_scores: Optional[Callable[[torch.Tensor], None]] = None, force_sync: bool = False,
-                 checking: bool = False, fixed_slot_lists: Optional[int] = None):
+                 checking: bool = False, fixed_slot_lists: Optional[int] = None,
+                 attention: Optional[AttentionWorkspace] = None):
         self.max_reqs, self.max_tokens, self.max_moves = int(max_reqs), int(max_tokens), int(max_moves)
         self.policy = policy
         self.reduce_scores = reduce_scores
         self.fixed_slot_lists = None if fixed_slot_lists is None else int(fixed_slot_lists)
         self.force_sync = bool(force_sync)
         self.checking = bool(checking)
+        self.attention = attention
+        self._workspace: Optional[torch.Tensor] = None  # float32, the attention plans' workspace
+        self._workspace_entries = 0  # listed keys the workspace's decode logits hold
+        self._entry_pos: Optional[torch.Tensor] = None  # int32 arange: score_out[0 + j] is entry j's
+        self._zero_starts: Optional[torch.Tensor] = None
         self.mirror: Optional[DeviceMirror] = None
         self.buffers: Optional[SlotListBuffers] = None
         self.copy_engine: Optional[CopyEngine] = None
@@ -107,7 +121,8 @@ class WorkerSide:
         self._decided_steps: dict = {}  # the loop's step -> the scheduler step it decided at
         self._pending_attention: list = []  # this step's attention metadata, filled by prepare_step
         self.stats = {"steps": 0, "moves": 0, "copies": 0, "event_waits": 0, "slot_lists_built": 0,
-                      "slot_list_grows": 0, "decisions": 0, "victims": 0, "worker_meta_bytes": 0}
+                      "slot_list_grows": 0, "decisions": 0, "victims": 0, "worker_meta_bytes": 0,
+                      "attention_plans": 0}
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict) -> None:
@@ -127,11 +142,18 @@ class WorkerSide:
                 raise InvalidArgumentError("kv_caches: expected every layer with the same shape, strides and dtype")
         self.kv_caches = caches
         self.device = caches[0].device
-        nnz_max = self.fixed_slot_lists or self.layout.num_blocks * self.layout.block_size  # physical slots
+        nnz_max = self.layout.num_blocks * self.layout.block_size  # physical slots: what can be resident
+        if self.fixed_slot_lists is not None:
+            nnz_max = self.fixed_slot_lists = min(self.fixed_slot_lists, nnz_max)
         self.mirror = DeviceMirror(None, self.device)  # fed with the scheduler table's events
-        self.buffers = SlotListBuffers(max_reqs=self.max_reqs, nnz_max=nnz_max, max_tokens=self.max_tokens,
-                                       device=self.device)
-        self._scores = torch.zeros(nnz_max, dtype=torch.float32, device=self.device)
+        self._allocate_lists(nnz_max)
+        self._zero_starts = torch.zeros(self.max_reqs, dtype=torch.int64, device=self.device)
+        if self.attention is not None:
+            # NOTE: sized once, by the resident slots; lists grown past them (shared prefixes) plan their
+            # decode steps on the varlen path, which needs no [num_q_heads, entries] logits (plan_attention).
+            self._workspace_entries = nnz_max
+            self._workspace = torch.empty(self.attention.attention_numel(nnz_max, self.device),
+                                          dtype=torch.float32, device=self.device)
         self.copy_engine = CopyEngine(caches, self.layout, max_moves=self.max_moves, force_sync=self.force_sync)
         if self.policy is not None:
             self.loop = DecisionLoop(self.policy, self.mirror, num_blocks=self.layout.num_blocks,
@@ -245,23 +267,55 @@ class WorkerSide:
         need = sum(self.mirror.live_count(r) for r in req_ids)
         if need <= self.buffers.nnz_max:
             return
-        if self.fixed_slot_lists is not None:  # max_num_seqs x max_model_len bounds every batch
+        if self.fixed_slot_lists is not None:  # no prefix caching: no slot is listed twice
             raise InvariantViolation(f"worker: the batch lists {need} keys, past the fixed slot lists' "
-                                     f"{self.buffers.nnz_max} (max_num_seqs x max_model_len)")
-        nnz_max = max(need, self.buffers.nnz_max * 3 // 2)
+                                     f"{self.buffers.nnz_max} (the KV cache's slots)")
+        self._allocate_lists(max(need, self.buffers.nnz_max * 3 // 2))
+        self.stats["slot_list_grows"] += 1
+
+    def _allocate_lists(self, nnz_max: int) -> None:
+        """The slot lists, the per-entry score buffer and its destinations for ``nnz_max`` entries."""
         self.buffers = SlotListBuffers(max_reqs=self.max_reqs, nnz_max=nnz_max, max_tokens=self.max_tokens,
                                        device=self.device)
         self._scores = torch.zeros(nnz_max, dtype=torch.float32, device=self.device)
-        self.stats["slot_list_grows"] += 1
+        self._entry_pos = torch.arange(nnz_max, dtype=torch.int32, device=self.device)
 
     @property
     def want_scores(self) -> bool:
         """The attention should add its key scores (the policy reads exact attention mass)."""
         return self.loop is not None and self.loop.scored
 
-    def add_key_scores(self, key_scores: torch.Tensor) -> None:
-        """Add one layer's ``token_attention`` key scores (float32 ``[nnz_max, num_kv_heads]``)."""
-        self._scores[: key_scores.shape[0]] += key_scores.sum(dim=1)
+    def plan_attention(self, meta, *, num_q_heads: int, dtype: torch.dtype, scale: float):
+        """The step's :class:`vtoken.ops.TokenAttentionStep` over ``meta``'s slot lists (planned once, kept on ``meta``).
+
+        Every layer of the step runs it. With scores, each run adds its keys' mass into the
+        per-entry score buffer: ``score_out[0 + j]`` is entry ``j``'s (``mirror_starts`` zeros,
+        ``kv_pos`` the entry index), which :meth:`end_step` reduces over ranks and hands the loop.
+        """
+        key = (num_q_heads, dtype, scale)
+        if meta.plan is not None and meta.plan_key == key:
+            return meta.plan
+        nnz = meta.kv_indices.numel()
+        scored = meta.want_scores
+        # Uniform decode takes the decode path (no q_indptr): its launch depends only on shapes, so a full
+        # CUDA graph captured over the fixed-address slot lists replays correctly. NOTE: past the
+        # workspace's entries (grown lists) it takes the varlen path, whose scores need no logits.
+        decode = meta.uniform_decode and not (scored and self._workspace is not None
+                                              and nnz > self._workspace_entries)
+        meta.plan = ops.plan_token_attention(
+            self.layout, meta.kv_indices, meta.kv_indptr, None if decode else meta.q_indptr,
+            num_q_heads=num_q_heads, dtype=dtype, num_q_tokens=meta.num_actual_tokens, scale=scale, scores=scored,
+            mirror_starts=self._zero_starts if scored else None, kv_pos=self._entry_pos[:nnz] if scored else None,
+            workspace=self._workspace,
+        )
+        meta.plan_key = key
+        self.stats["attention_plans"] += 1
+        return meta.plan
+
+    @property
+    def score_out(self) -> torch.Tensor:
+        """float32 ``[nnz_max]``: this step's key masses per slot-list entry (the attention adds in place)."""
+        return self._scores
 
     # ---------------------------------------------------------- after forward
     def end_step(self) -> None:
