@@ -7,9 +7,9 @@ created by the connector's ``WORKER`` role and published with
 Per step:
 
 - ``handle_preemptions`` (first call of ``execute_model``): apply the step's
-  table events up to its moves (:mod:`vtoken.journal`, shipped in the
-  connector metadata) to the device mirror (:class:`vtoken.buffers.
-  DeviceMirror`, with no host table of its own), then
+  table events (:mod:`vtoken.journal`, shipped in the connector metadata; the
+  moves of relocations whose copy an earlier step ran) to the device mirror
+  (:class:`vtoken.buffers.DeviceMirror`, with no host table of its own), then
   ``CopyEngine.before_forward``: the compute stream waits on the last
   relocation event (I3; no host wait);
 - ``start_load_kv`` (before the forward: the scheduler side marks every step
@@ -26,15 +26,18 @@ Per step:
   summed over tensor-parallel ranks on the device, the device policy, the
   victims killed in the mirror so the next attention never reads them; a
   request mid-prompt evicts nothing), then ONE ``compact_kv`` launch on the
-  relocation stream covers every move of the step (old slots to new, both in
-  the move events), then the mirror applies the moves;
-- ``build_connector_worker_meta``: the decisions whose records reached the
-  host (never waited for) go back to the scheduler, O(victims) bytes, which
-  applies them to its table (block frees, relocation planning) a step or more
-  late. No per-token score leaves the device.
+  relocation stream copies the step's planned moves (``copy_src`` to
+  ``copy_dst``); the mirror is not touched: the scheduler commits the plans
+  only once every worker reported the copy, and the commit's move events
+  re-point the mirror at a later step;
+- ``build_connector_worker_meta``: the copy's outcome and the decisions whose
+  records reached the host (never waited for) go back to the scheduler,
+  O(victims) bytes, which applies them to its table (block frees, relocation
+  planning) a step or more late. No per-token score leaves the device.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable, Optional
 
@@ -48,6 +51,8 @@ from vtoken.decision_loop import DecisionLoop
 from vtoken.errors import InvalidArgumentError, InvariantViolation
 from vtoken.integrations.vllm.meta import StepDecisions, VTokenConnectorMetadata, VTokenWorkerMetadata
 from vtoken.layout import KVLayout
+
+logger = logging.getLogger(__name__)
 
 KV_LAYOUT_NAME = "vllm_fused"  # vLLM 0.32's per-layer view [num_blocks, H, block_size, 2*D] (docs/vllm.md)
 
@@ -98,7 +103,7 @@ class WorkerSide:
         self.layout: Optional[KVLayout] = None
         self.device = torch.device("cpu")
         self._meta: Optional[VTokenConnectorMetadata] = None
-        self._moves: list = []  # this step's move events, applied after the forward
+        self._copies: dict = {}  # step -> its relocation copy was launched (True) or failed (False)
         self._scores: Optional[torch.Tensor] = None
         self._batch: list = []
         self._query_lens = np.zeros(0, dtype=np.int64)
@@ -107,7 +112,8 @@ class WorkerSide:
         self._decided_steps: dict = {}  # the loop's step -> the scheduler step it decided at
         self._pending_attention: list = []  # this step's attention metadata, filled by prepare_step
         self.stats = {"steps": 0, "moves": 0, "copies": 0, "event_waits": 0, "slot_lists_built": 0,
-                      "slot_list_grows": 0, "decisions": 0, "victims": 0, "worker_meta_bytes": 0}
+                      "slot_list_grows": 0, "decisions": 0, "victims": 0, "worker_meta_bytes": 0,
+                      "failed_copies": 0}
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict) -> None:
@@ -143,15 +149,14 @@ class WorkerSide:
 
     # --------------------------------------------------------- before forward
     def begin_step(self, meta: VTokenConnectorMetadata) -> None:
-        """Apply the step's events up to its moves and fence the last copy (I3)."""
+        """Apply the step's events and fence the last copy (I3)."""
         if not self.ready:
             raise InvariantViolation("worker: metadata arrived before register_kv_caches")
-        before_moves, self._moves = meta.split_moves()
-        for ev in before_moves:
+        for ev in meta.events:
             if ev[0] == "finish":
                 self._prompt_tokens.pop(self.mirror.request_of_row(ev[1]), None)
         self._prompt_tokens.update(meta.prompt_tokens)
-        self.mirror.apply(before_moves)
+        self.mirror.apply(meta.events)
         if self.copy_engine.before_forward(step=meta.step):
             self.stats["event_waits"] += 1
         self._meta = meta
@@ -265,24 +270,36 @@ class WorkerSide:
 
     # ---------------------------------------------------------- after forward
     def end_step(self) -> None:
-        """Decide the step's evictions on the device, then launch its relocation copy and update the mirror."""
-        meta, moves = self._meta, self._moves
+        """Decide the step's evictions on the device, then launch its relocation copy (reported, not applied)."""
+        meta = self._meta
         if meta is None:
             return
         if self.loop is not None and self._batch and self._batch_step == meta.step:
             self._decide(meta.step)
-        if not moves:
-            return
-        before = self._capture(moves) if self.checking else None
-        src = np.concatenate([ev[3] for ev in moves])
-        dst = np.concatenate([ev[4] for ev in moves])
-        self.copy_engine.launch(src, dst, step=meta.step)
-        self.mirror.apply(moves)
-        self._moves = []
+        if meta.copy_src.size and meta.step not in self._copies:
+            self._copies[meta.step] = self._copy(meta.copy_src, meta.copy_dst, meta.step)
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray, step: int) -> bool:
+        """Launch the step's relocation copy; False when it failed (the scheduler then rolls its plans back)."""
+        # NOTE: a failure is reported, not raised: the scheduler commits nothing before every
+        # worker reports the copy launched, and no mirror reads a destination before that
+        # commit, so rolling the plans back leaves every request as it was (the sources were
+        # never freed) and the engine keeps serving. The catch decides nothing about the device.
+        try:
+            self.copy_engine.launch(src, dst, step=step)
+        except Exception:
+            logger.exception("vtoken: the relocation copy of step %d failed; the scheduler rolls it back", step)
+            if self.device.type == "cuda":
+                # A partial copy left on the relocation stream must not land after the freed
+                # destinations' next writer: drain it (failure path only).
+                torch.cuda.synchronize(self.device)
+            self.stats["failed_copies"] += 1
+            return False
         self.stats["moves"] += len(src)
         self.stats["copies"] += 1
-        if before is not None:
-            self._check_i1(before)
+        if self.checking:
+            self._check_copy(src, dst)
+        return True
 
     def _decide(self, step: int) -> None:
         """The device decision over the batch just attended (no host sync)."""
@@ -305,7 +322,8 @@ class WorkerSide:
     def worker_meta(self) -> VTokenWorkerMetadata:
         """The decisions whose records reached the host since the last report (never waits)."""
         meta = self._meta
-        out = VTokenWorkerMetadata(step=meta.step if meta is not None else -1)
+        out = VTokenWorkerMetadata(step=meta.step if meta is not None else -1, copies=self._copies)
+        self._copies = {}
         if self.loop is None:
             return out
         for rec in self.loop.drain():
@@ -328,24 +346,11 @@ class WorkerSide:
         self._pending_attention = []
 
     # ---------------------------------------------------------------- checks
-    def _capture(self, moves: list) -> dict:
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # debug only: the forward wrote the rows
-        out = {}
-        for ev in moves:
-            req = self.mirror.request_of_row(ev[1])
-            slots, mask = self.mirror.host_copy(req)
-            ids = np.flatnonzero(mask)
-            slots = slots[mask]
-            rows = [invariants.gather_token_rows(c, self.layout, slots).cpu() for c in self.kv_caches]
-            out[req] = (ids, rows)
-        return out
-
-    def _check_i1(self, before: dict) -> None:
-        for t in list(self.copy_engine._pending):
-            t.event.synchronize()
-        for req, (ids, rows) in before.items():
-            slots = self.mirror.host_copy(req)[0][ids]
-            after = [invariants.gather_token_rows(c, self.layout, slots).cpu() for c in self.kv_caches]
-            if invariants.fingerprint_rows(ids, rows) != invariants.fingerprint_rows(ids, after):
-                raise InvariantViolation(f"I1: live K/V bytes of request {req!r} changed across a relocation")
+    def _check_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """I1 for the copy: every layer's K/V rows at ``dst`` equal those at ``src`` (debug; syncs)."""
+        self.copy_engine.synchronize()
+        for c in self.kv_caches:
+            a = invariants.gather_token_rows(c, self.layout, src)
+            b = invariants.gather_token_rows(c, self.layout, dst)
+            if not torch.equal(a, b):
+                raise InvariantViolation("I1: a relocation copy's destination rows differ from its source rows")
