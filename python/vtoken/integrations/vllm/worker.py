@@ -104,6 +104,7 @@ class WorkerSide:
         self.device = torch.device("cpu")
         self._meta: Optional[VTokenConnectorMetadata] = None
         self._copies: dict = {}  # step -> its relocation copy was launched (True) or failed (False)
+        self._failure: Optional[Exception] = None  # a debug check that failed before this step's collective
         self._scores: Optional[torch.Tensor] = None
         self._batch: list = []
         self._query_lens = np.zeros(0, dtype=np.int64)
@@ -203,7 +204,7 @@ class WorkerSide:
         if self.checking and meta.slot_mapping is not None and meta.slot_mapping.device.type == "cpu":
             t = int(meta.query_lens[:n].sum())
             if not torch.equal(bufs.slot_mapping[:t].to(torch.int64), meta.slot_mapping[:t].to(torch.int64)):
-                raise InvariantViolation("worker mirror: vtoken's slot mapping differs from vLLM's")
+                self._fail(InvariantViolation("worker mirror: vtoken's slot mapping differs from vLLM's"))
         # NOTE: a view of the fixed-address buffer cut at this batch's live total (known on the
         # host: an upper bound), so key scores are [total, H] rather than [nnz_max, H].
         total = max(int(bufs.kv_indptr_host[n]), 1)
@@ -276,6 +277,7 @@ class WorkerSide:
             return
         if self.loop is not None and self._batch and self._batch_step == meta.step:
             self._decide(meta.step)
+        self._raise_failure()  # a step with no collective: nothing to agree on
         if meta.copy_src.size and meta.step not in self._copies:
             self._copies[meta.step] = self._copy(meta.copy_src, meta.copy_dst, meta.step)
 
@@ -304,6 +306,8 @@ class WorkerSide:
     def _decide(self, step: int) -> None:
         """The device decision over the batch just attended (no host sync)."""
         reqs, n, bufs = self._batch, len(self._batch), self.buffers
+        if self.loop.scored:  # first: nothing that may raise on one rank comes before the collective
+            self._sum_masses(int(bufs.kv_indptr_host[n]))
         seq = bufs.num_tokens_host[:n].copy()  # as the slot lists were built (the mirror has not changed since)
         prompt = np.fromiter((self._prompt_tokens.get(r, 0) for r in reqs), dtype=np.int64, count=n)
         qlen = self._query_lens
@@ -312,12 +316,49 @@ class WorkerSide:
         prompt_done = ~defer & (seq - qlen < prompt)
         num_new = np.where(prompt_done, np.minimum(prompt, seq), qlen)
         if self.loop.scored:
-            total = int(bufs.kv_indptr_host[n])
-            if self.reduce_scores is not None:  # identical masses, hence identical decisions, on every rank
-                self.reduce_scores(self._scores[:total])
             self.loop.add_entry_mass(bufs, n, self._scores)
         self._decided_steps[self.loop.steps] = step
         self.loop.decide(reqs, bufs, seq_lens=seq, num_new=num_new, defer=defer, prompt_done=prompt_done)
+
+    def _sum_masses(self, total: int) -> None:
+        """Sum the step's key masses over the tensor-parallel ranks in place; raise a failure all ranks agree on.
+
+        NOTE: every rank must reach this all-reduce once per scored step, or the
+        others hang in it. So nothing before it in the step raises on one rank
+        alone: a debug check that fails earlier (:meth:`_fail`) is kept, and in
+        checking mode a failure flag travels summed with the masses, so every
+        rank raises after the collective: the failing rank its own error, the
+        others an :class:`InvariantViolation` naming the step. Reading the flag
+        syncs with the device, as every debug check does; without checking no
+        failure is deferred (nothing to agree on) and nothing is read.
+        """
+        if self.reduce_scores is None:
+            self._raise_failure()
+            return
+        if not self.checking:  # the same branch on every rank: checking is one setting for all
+            self.reduce_scores(self._scores[:total])  # identical masses, hence identical decisions, on every rank
+            self._raise_failure()
+            return
+        flag = torch.full((1,), float(self._failure is not None), dtype=self._scores.dtype, device=self.device)
+        both = torch.cat([self._scores[:total], flag])
+        self.reduce_scores(both)
+        self._scores[:total].copy_(both[:total])
+        self._raise_failure()
+        if float(both[total]) > 0:
+            step = self._meta.step if self._meta is not None else -1
+            raise InvariantViolation(f"worker: a debug check failed on another tensor-parallel rank at step {step}")
+
+    def _fail(self, error: Exception) -> None:
+        """A debug check failed: raise now with one rank, else after this step's masses collective (:meth:`_sum_masses`)."""
+        if self.reduce_scores is None:
+            raise error
+        if self._failure is None:
+            self._failure = error
+
+    def _raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
 
     def worker_meta(self) -> VTokenWorkerMetadata:
         """The decisions whose records reached the host since the last report (never waits)."""
