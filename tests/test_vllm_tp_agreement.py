@@ -67,3 +67,33 @@ def test_ranks_without_a_failure_sum_their_masses_and_raise_nothing(tmp_path):
     assert out[0]["error"] is None and out[1]["error"] is None, out
     # Rank r added r + 1 per head (2 heads) to each of the 20 entries: both hold 2 + 4.
     assert out[0]["masses"] == out[1]["masses"] == [6.0] * 20
+
+
+def test_in_one_process_the_collective_runs_once_and_the_failure_waits_for_it():
+    """The same step with a stand-in collective: one call per step, the masses plus the failure flag."""
+    from tp_rank_helper import build_rank, run_step
+
+    from vtoken.errors import InvariantViolation
+
+    calls = []
+
+    def collective(t):  # this rank's side of the all-reduce; the other rank's check failed
+        calls.append(t.clone())
+        t[-1] += 1.0
+
+    w, meta, attn = build_rank(rank=0, bad_rank=-1, reduce_scores=collective)
+    with pytest.raises(InvariantViolation, match="another tensor-parallel rank at step 0"):
+        run_step(w, meta, attn, rank=0)
+    assert len(calls) == 1 and calls[0].tolist() == [2.0] * 20 + [0.0]  # 20 entries, 2 heads x 1.0; no failure here
+    # The failing rank: its check raises only after the collective, into which it put its flag.
+    calls.clear()
+    w, meta, attn = build_rank(rank=1, bad_rank=1, reduce_scores=lambda t: calls.append(t.clone()))
+    with pytest.raises(InvariantViolation, match="slot mapping differs"):
+        run_step(w, meta, attn, rank=1)
+    assert len(calls) == 1 and calls[0][-1].item() == 1.0
+    # One rank (no collective): the check raises at once, before the forward, as before.
+    w, meta, attn = build_rank(rank=1, bad_rank=1, reduce_scores=None)
+    w.begin_step(meta)
+    w.expect_attention(attn)
+    with pytest.raises(InvariantViolation, match="slot mapping differs"):
+        w.prepare_step()

@@ -274,6 +274,7 @@ class WorkerSide:
         """Decide the step's evictions on the device, then launch its relocation copy (reported, not applied)."""
         meta = self._meta
         if meta is None:
+            self._raise_failure()
             return
         if self.loop is not None and self._batch and self._batch_step == meta.step:
             self._decide(meta.step)
