@@ -29,11 +29,12 @@ python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 VTOKEN_BUILD_CUDA=0 python -m pip install -q --no-build-isolation --no-deps -e .
 python -c "import vllm, torch; print(f'vllm {vllm.__version__}, torch {torch.__version__}')"
 echo "+ setup took $(( $(date +%s) - start )) s"
-python -m pytest -q -m vllm tests/test_vllm_connector.py tests/test_vllm_e2e.py
+python -m pytest -q -m vllm tests/test_vllm_connector.py tests/test_vllm_copy_confirmation.py \
+  tests/test_vllm_tp_agreement.py tests/test_vllm_e2e.py
 # Production lane: end to end again with vtoken's debug checks off, as deployed
 # (the base runs, the long run and TP=2; the chunking / async / Model Runner V2 /
-# full-decode-graph variants and the real model run once, above).
+# full-decode-graph / failed-copy variants and the real model run once, above).
 echo "+ production lane: VTOKEN_DEBUG_INVARIANTS=0"
 VTOKEN_DEBUG_INVARIANTS=0 python -m pytest -q -m "vllm and not debug_checks" tests/test_vllm_e2e.py \
-  -k "not test_e_ and not test_f_ and not test_g_ and not test_h_ and not test_i_"
+  -k "not test_e_ and not test_f_ and not test_g_ and not test_h_ and not test_i_ and not test_j_"
 echo "+ vllm tests total $(( $(date +%s) - start )) s"

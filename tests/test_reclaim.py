@@ -893,3 +893,39 @@ def test_automatic_headroom_follows_the_running_requests():
     with pytest.raises(InvalidArgumentError, match="block_size"):
         ReclaimConfig().resolve(100)  # an automatic headroom needs the block size
     assert ReclaimConfig(headroom_blocks=7).resolve(100) == (0, 7)
+
+
+# ------------------------------------------------------- held commit (copies confirmed later)
+@pytest.mark.parametrize("outcome", ["confirm", "abort"])
+def test_held_plans_change_nothing_until_confirmed_and_roll_back_cleanly(outcome):
+    """``commit(hold=True)`` (the vLLM connector): the table and the sources stay until ``confirm``."""
+    t = TokenTable(BlockLedger(BlockPool(40), 4))
+    mgr = ReclamationManager(t, ReclaimConfig(low_watermark=40, headroom_blocks=2, check_interval=1))
+    t.add_request("a")
+    t.sync_new_tokens("a", 32)
+    t.evict("a", [i for i in range(28) if i % 4])  # every full block keeps 1 of 4
+    slots0, blocks0 = t.slots("a").copy(), t.block_list("a").copy()
+    plans = mgr.maybe_plan()
+    mgr.launch(plans)
+    assert len(plans) == 1 and mgr.commit(hold=True).size == 0
+    p = plans[0]
+    assert (t.ledger.state[p.src_blocks] == SRC_INFLIGHT).all() and (t.ledger.state[p.dst_blocks] == DST_INFLIGHT).all()
+    assert np.array_equal(t.slots("a"), slots0) and np.array_equal(t.block_list("a"), blocks0)
+    assert mgr.in_flight() == ["a"] and mgr.maybe_plan() == []  # never planned again while in flight (I4)
+    t.sync_new_tokens("a", 1)  # the request grows meanwhile
+    t.evict("a", [int(p.token_ids[0])])  # and a moved token dies: the commit takes the survivors
+    free0 = t.ledger.num_free
+    if outcome == "confirm":
+        freed = mgr.confirm(plans)
+        assert set(freed.tolist()) == set(p.src_blocks.tolist())
+        assert np.isin(t.slots("a")[p.token_ids[1:]], p.dst_slots[1:]).all()
+        assert t.ledger.num_free == free0 + len(p.src_blocks)
+    else:
+        assert mgr.abort(plans) == 1
+        assert np.array_equal(t.slots("a")[p.token_ids[1:]], p.src_slots[1:])  # the table still reads the sources
+        # The destinations, and the source whose one live token died meanwhile, are free again.
+        assert t.ledger.num_free == free0 + len(p.dst_blocks) + 1
+        assert (t.ledger.state[p.src_blocks] != SRC_INFLIGHT).all()
+    assert mgr.in_flight() == [] and mgr.confirm(plans).size == 0 and mgr.abort(plans) == 0  # settled once
+    t.check_invariants()
+    t.ledger.check_conservation()

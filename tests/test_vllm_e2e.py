@@ -155,6 +155,21 @@ def test_e_outputs_do_not_depend_on_prefill_chunking(model_dir):
     assert vt["stats"]["relocations"] > 0
 
 
+def test_j_failed_relocation_copies_roll_back_and_change_no_token(model_dir, runs):
+    """The worker's 1st and 3rd copies write garbage into their destinations, then raise (docs/vllm.md,
+    "Copies and frees"): their plans roll back, nothing reads the garbage, the tokens are naive's."""
+    base = {"model_dir": model_dir, "make_model": False, **PROMPTS, "block_size": 16, **H2O, "reclaim": RECLAIM}
+    vt = run_vllm({**base, "mode": "vtoken", "fail_copy_launches": [0, 2]})
+    st = vt["stats"]
+    print("\nvLLM e2e failed copies:", json.dumps({"stats": st, "times": vt["times"]}))
+    assert vt["outputs"] == runs["naive"]["outputs"]
+    assert st["copies_failed"] == 2 and st["plans_rolled_back"] >= 2
+    assert st["copies_confirmed"] > 0 and st["relocations"] > 0  # the other copies committed
+    assert st["evicted_tokens"] == runs["naive"]["stats"]["evicted_tokens"]
+    assert vt["table_requests_end"] == 0
+    assert vt["free_blocks_after_shutdown"] == vt["num_gpu_blocks"] - 1
+
+
 def run_variant(model_dir, runs, label: str, **variant) -> tuple:
     """naive and vtoken under a vLLM variant: both give the base (synchronous, V1) naive run's tokens, no leak."""
     base = {"model_dir": model_dir, "make_model": False, **PROMPTS, "block_size": 16, **H2O, "reclaim": RECLAIM,

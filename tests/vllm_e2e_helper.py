@@ -139,8 +139,37 @@ def _enable_model_runner_v2_on_cpu() -> None:
     triton.backends.backends.setdefault("cpu", types.SimpleNamespace(driver=_ActiveDriver, compiler=None))
 
 
+def _fail_worker_copies(launches: list) -> None:
+    """The worker's relocation copies number ``launches`` (0-based) write garbage into their destinations, then raise.
+
+    The worker lives in this process (no multiprocessing, one rank); the
+    scheduler's bookkeeping engine has no caches and is left alone.
+    """
+    import numpy as np
+    import torch
+
+    from vtoken.copy_engine import CopyEngine
+
+    launch, count = CopyEngine.launch, [0]
+
+    def failing(self, src_slots, dst_slots, *, step):
+        if not self.kv_caches:
+            return launch(self, src_slots, dst_slots, step=step)
+        k, count[0] = count[0], count[0] + 1
+        if k not in launches:
+            return launch(self, src_slots, dst_slots, step=step)
+        d = torch.as_tensor(np.asarray(dst_slots, dtype=np.int64))
+        for c in self.kv_caches:  # vLLM's [num_blocks, num_kv_heads, block_size, 2 * head_size] view
+            c[d // c.shape[2], :, d % c.shape[2], :] = 1e4
+        raise RuntimeError(f"simulated failure of relocation copy {k}")
+
+    CopyEngine.launch = failing
+
+
 def run(cfg: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if cfg.get("fail_copy_launches"):
+        _fail_worker_copies(list(cfg["fail_copy_launches"]))
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig

@@ -133,9 +133,14 @@ class FakeWorker:
         vals = torch.from_numpy(fp[first_token:])
         self.cache[s // self.bs, :, s % self.bs, :] = vals[:, None, None]
 
-    def step(self):
-        """One engine step: schedule, "forward", copy, sample; then an output goes back. Returns the SchedulerOutput."""
+    def step(self, after_schedule=None):
+        """One engine step: schedule, "forward", copy, sample; then an output goes back. Returns the SchedulerOutput.
+
+        ``after_schedule(so)``, if given, runs between the schedule and the execution.
+        """
         so = self.sched.schedule()
+        if after_schedule is not None:
+            after_schedule(so)
         self.in_flight.append((so, self._execute(so)))
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
         while self.in_flight and (not self.async_outputs or len(self.in_flight) == 2

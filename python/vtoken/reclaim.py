@@ -228,30 +228,49 @@ class ReclamationManager:
         return self.executor.launch(plans, step=self.step, rec=self._record())
 
     # ---------------------------------------------------------------- commit
-    def commit(self) -> np.ndarray:
+    def commit(self, *, hold: bool = False) -> np.ndarray:
         """Apply the launched plans to the table, the mirror and the ledger; end the step.
 
         Plans made but not launched are rolled back. Returns the freed block
-        ids (int32).
+        ids (int32). ``hold=True`` (a driver whose copies run in other
+        processes, the vLLM connector): the launched plans stay in flight, with
+        their sources and destinations held, until :meth:`confirm` commits
+        them once their copy is known done, or :meth:`abort` rolls them back.
         """
         rec = self._record()
         t0 = time.perf_counter()
-        ids = self.executor.commit(step=self.step, rec=rec)
+        ids = self.executor.commit(step=self.step, rec=rec, hold=hold)
         rec.freed_blocks += len(ids)
         rec.commit_us += (time.perf_counter() - t0) * 1e6
         self.checks.check_after_commit()
         self._end_step(rec)
         return ids
 
+    def confirm(self, plans: Sequence[Plan]) -> np.ndarray:
+        """Commit ``plans``, launched and held by ``commit(hold=True)``, whose copy completed.
+
+        Plans rolled back since (their request finished) are skipped. Returns
+        the freed block ids (int32), counted in the current step's record.
+        """
+        rec = self._record()
+        t0 = time.perf_counter()
+        ids = self.executor.commit_launched(plans, step=self.step, rec=rec)
+        rec.freed_blocks += len(ids)
+        rec.commit_us += (time.perf_counter() - t0) * 1e6
+        self.checks.check_after_commit()
+        return ids
+
     # ------------------------------------------------------------------ abort
-    def abort(self) -> int:
-        """Roll back every plan made or launched this step and not committed; return how many.
+    def abort(self, plans: Optional[Sequence[Plan]] = None) -> int:
+        """Roll back ``plans`` (default: every plan made or launched and not committed); return how many.
 
         Destinations return to the pool; sources and the table are untouched.
         (A launched copy only wrote blocks that are freed here; the next writer
         of those blocks is a later forward, which waits on the copy's event.)
         """
-        return self.executor.abort(self._record())
+        if plans is None:
+            return self.executor.abort(self._record())
+        return self.executor.rollback_launched(plans, self._record())
 
     # ---------------------------------------------------------------- finish
     def finish_request(self, req) -> np.ndarray:

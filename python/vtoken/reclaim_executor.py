@@ -133,20 +133,30 @@ class PlanExecutor:
                 )
 
     # ---------------------------------------------------------------- commit
-    def commit(self, *, step: int, rec: StepRecord) -> np.ndarray:
-        """Roll back the unlaunched plans, apply the launched ones; return the freed block ids (int32)."""
-        freed: list[np.ndarray] = []
+    def commit(self, *, step: int, rec: StepRecord, hold: bool = False) -> np.ndarray:
+        """Roll back the unlaunched plans, apply the launched ones; return the freed block ids (int32).
+
+        ``hold``: the launched plans stay launched (their copies run elsewhere and are
+        confirmed later): :meth:`commit_launched` or :meth:`rollback_launched` settles them.
+        """
         if self._planned:
             self._rollback(self._planned)
             rec.aborted_plans += len(self._planned)
             self._planned = []
-        if self._launched:
-            self.copy_engine.log_event("commit", step, plans=len(self._launched))
-            for plan in self._launched:
+        if hold:
+            return np.zeros(0, dtype=np.int32)
+        return self.commit_launched(list(self._launched), step=step, rec=rec)
+
+    def commit_launched(self, plans: Sequence[Plan], *, step: int, rec: StepRecord) -> np.ndarray:
+        """Apply ``plans`` still launched (a finish may have rolled some back); return the freed block ids."""
+        mine = self._take_launched(plans)
+        freed: list[np.ndarray] = []
+        if mine:
+            self.copy_engine.log_event("commit", step, plans=len(mine))
+            for plan in mine:
                 out = self._commit_plan(plan, rec)
                 if out is not None:
                     freed.append(out)
-            self._launched = []
         ids = np.concatenate(freed).astype(np.int32) if freed else np.zeros(0, dtype=np.int32)
         if ids.size:
             self.copy_engine.log_event("free", step, blocks=len(ids))
@@ -179,7 +189,21 @@ class PlanExecutor:
         released.append(table.relocation.end_relocation(req, plan.src_blocks))
         return np.concatenate(released)
 
+    def _take_launched(self, plans: Sequence[Plan]) -> list[Plan]:
+        """Remove ``plans`` from the launched ones; return those that were launched."""
+        want = {id(p) for p in plans}
+        mine = [p for p in self._launched if id(p) in want]
+        self._launched = [p for p in self._launched if id(p) not in want]
+        return mine
+
     # ------------------------------------------------------------- rollback
+    def rollback_launched(self, plans: Sequence[Plan], rec: StepRecord) -> int:
+        """Roll back ``plans`` still launched (their copy failed or was never confirmed); return how many."""
+        mine = self._take_launched(plans)
+        self._rollback(mine)
+        rec.aborted_plans += len(mine)
+        return len(mine)
+
     def abort(self, rec: StepRecord) -> int:
         """Roll back every plan made or launched and not committed; return how many."""
         plans = self._planned + self._launched

@@ -11,17 +11,22 @@ from vtoken.errors import InvalidArgumentError, InvariantViolation
 
 @dataclass
 class VTokenConnectorMetadata(KVConnectorMetadata):
-    """One step's token-table changes: the scheduler table's journal events since the last step.
+    """One step's token-table changes and relocation copies.
 
-    ``events`` are :mod:`vtoken.journal` events, in order: finishes
-    (finished or preempted requests) and evictions since the last step,
-    registrations and appends of this step (a request's first append starts
-    with the slots of its prefix-cache hits), then this step's relocation
-    ``move`` events. Every worker applies the events before the first
-    ``move`` ahead of the forward (``handle_preemptions``); after the forward
-    (``wait_for_save``) it copies every layer's K/V rows of the moves from
-    their old slots to their new ones (one ``compact_kv`` launch), then
-    applies the moves to its mirror.
+    ``events``: the scheduler table's :mod:`vtoken.journal` events since the
+    last step, in order (finishes and evictions, the ``move`` events of the
+    relocations the workers confirmed since, registrations and appends of this
+    step; a request's first append starts with the slots of its prefix-cache
+    hits). Every worker applies them all to its mirror before the forward
+    (``handle_preemptions``): a ``move`` only re-points tokens at slots an
+    earlier step's copy already filled.
+
+    ``copy_src`` / ``copy_dst`` (int32 ``[M]``): the slots of this step's
+    relocation plans, not yet in the table. After the forward
+    (``wait_for_save``) every worker copies each layer's K/V rows from
+    ``copy_src`` to ``copy_dst`` (one ``compact_kv`` launch) and reports the
+    copy in :attr:`VTokenWorkerMetadata.copies`; only then does the scheduler
+    commit the plans (docs/vllm.md, "Copies and frees").
 
     ``prompt_tokens``: for each request admitted this step (new, or resumed
     after a preemption), the tokens it must compute before it may evict
@@ -31,17 +36,20 @@ class VTokenConnectorMetadata(KVConnectorMetadata):
     step: int
     events: list = field(default_factory=list)
     prompt_tokens: dict = field(default_factory=dict)
+    copy_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    copy_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
-    def split_moves(self) -> tuple[list, list]:
-        """``(events before the first move, the move events)``."""
-        first = next((i for i, ev in enumerate(self.events) if ev[0] == "move"), len(self.events))
-        before, moves = self.events[:first], self.events[first:]
-        if any(ev[0] != "move" for ev in moves):
-            raise InvalidArgumentError("events: expected the relocation moves last in a step's events")
-        return before, moves
+    def __post_init__(self):
+        self.copy_src = np.ascontiguousarray(self.copy_src, dtype=np.int32)
+        self.copy_dst = np.ascontiguousarray(self.copy_dst, dtype=np.int32)
+        if self.copy_src.ndim != 1 or self.copy_src.shape != self.copy_dst.shape:
+            raise InvalidArgumentError(
+                f"copy_dst: expected the shape of copy_src {self.copy_src.shape}, got {self.copy_dst.shape}"
+            )
 
     @property
     def num_moves(self) -> int:
+        """Tokens whose relocation this step's events commit."""
         return int(sum(len(ev[2]) for ev in self.events if ev[0] == "move"))
 
 
@@ -77,7 +85,12 @@ class StepDecisions:
 
 @dataclass
 class VTokenWorkerMetadata(KVConnectorWorkerMetadata):
-    """The decisions a worker's device loop made, whose records reached the host since its last report.
+    """What a worker reports after a step: its relocation copy, and decisions that reached the host.
+
+    ``copies``: ``{step: ok}`` for the relocation copy of the step just run
+    (present only when that step's metadata had moves): True once the copy
+    was enqueued behind the forward, before every later reader and writer of
+    its slots (the compute stream waits on its event), False when it failed.
 
     ``decisions``: :class:`StepDecisions`, oldest first, keyed by the
     scheduler step they were decided at (after that step's forward). The
@@ -87,11 +100,14 @@ class VTokenWorkerMetadata(KVConnectorWorkerMetadata):
     Tensor-parallel ranks decide identically (their key masses are summed on
     the device before the policy runs), but each rank's records reach its
     host on their own schedule, so :meth:`aggregate` takes the union by step
-    and checks that two ranks' reports of one step agree.
+    and checks that two ranks' reports of one step agree. A copy counts as
+    done only when every rank reports it done (a rank that reports nothing
+    for a step the other reports counts as failed).
     """
 
     step: int
     decisions: list = field(default_factory=list)
+    copies: dict = field(default_factory=dict)
 
     def aggregate(self, other: "VTokenWorkerMetadata") -> "VTokenWorkerMetadata":
         if other.step != self.step:
@@ -103,7 +119,9 @@ class VTokenWorkerMetadata(KVConnectorWorkerMetadata):
                 by_step[d.step] = d
             elif not mine.same_as(d):
                 raise InvariantViolation(f"worker decisions: tensor-parallel ranks decided step {d.step} differently")
-        return VTokenWorkerMetadata(self.step, [by_step[s] for s in sorted(by_step)])
+        copies = {s: self.copies.get(s) is True and other.copies.get(s) is True
+                  for s in sorted(set(self.copies) | set(other.copies))}
+        return VTokenWorkerMetadata(self.step, [by_step[s] for s in sorted(by_step)], copies)
 
     @property
     def nbytes(self) -> int:

@@ -9,20 +9,24 @@ One :class:`SchedulerSide` lives in vLLM's engine-core process next to the
    ``schedule()``): forget preempted requests, mirror the step's new tokens and
    the blocks vLLM gave them into the token table (the adapter hands the table
    exactly those blocks), run the reclamation manager (plan, bookkeeping
-   launch, commit), copy the table's block-list changes into vLLM's lists
-   (freed positions become the null block, destinations take the first source
-   positions), drop the hashes of blocks whose KV no longer matches their
-   prefix, stop vLLM hashing the blocks of requests whose prompt is complete,
-   and ship the deltas to the workers.
+   launch; the plans stay in flight, sources and destinations held), stop
+   vLLM hashing the blocks of requests whose prompt is complete, and ship the
+   deltas and the plans' copies to the workers.
 3. The workers run the forward, decide the step's evictions on the device
-   (the victims are dead there at once), copy the relocated K/V and report
-   the decisions whose records reached their host.
+   (the victims are dead there at once), copy the planned K/V and report the
+   copy and the decisions whose records reached their host.
 4. :meth:`SchedulerSide.request_finished` (before vLLM frees a finished
    request's blocks) and :meth:`SchedulerSide.update_output` (after it): the
    table evicts the reported victims, a step or more after the decision
    (Naive-Evict releases fully dead blocks at once, and the surgery nulls
-   them in vLLM). Nothing here depends on which step's output arrives when,
-   so vLLM's async scheduler (step N+1 scheduled before step N's output) is
+   them in vLLM); then the step's plans are committed if every worker
+   reports their copy done (the table switches to the destinations, the
+   sources go back to vLLM's pool, the table's block-list changes are copied
+   into vLLM's lists: freed positions become the null block, destinations
+   take the first source positions, and the destinations' hashes are
+   dropped), else rolled back (the destinations go back, nothing else
+   changed). Nothing here depends on which step's output arrives when, so
+   vLLM's async scheduler (step N+1 scheduled before step N's output) is
    handled like the synchronous one.
 
 Nothing here touches a tensor.
@@ -30,6 +34,7 @@ Nothing here touches a tensor.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 import numpy as np
@@ -43,6 +48,8 @@ from vtoken.integrations.vllm.surgery import apply_block_list, block_ids
 from vtoken.ledger import OWNED, SHARED, BlockLedger
 from vtoken.pool import NULL_BLOCK
 from vtoken.table import TokenTable
+
+logger = logging.getLogger(__name__)
 
 # vLLM's per-request count of hashed blocks, set past any length once a request
 # may evict: its cache_blocks (allocate_slots, and the async scheduler's output
@@ -71,12 +78,14 @@ class SchedulerSide:
         self._admitting: dict = {}  # request id -> tokens known when vLLM allocated it this schedule
         self._decided_through = -1  # the workers' decisions of steps up to this one were applied
         self._recent_decisions: dict = {}  # step -> the decisions applied for it (to compare a late rank's)
+        self._unconfirmed: dict = {}  # step -> its launched plans, held until the workers report their copy
         self.bound = False
         self.stats = {
             "steps": 0, "evicted_tokens": 0, "relocations": 0, "plans": 0, "reclaimed_blocks": 0,
             "naive_released_blocks": 0, "hashes_dropped": 0,
             "peak_blocks_in_use": 0, "sum_blocks_in_use": 0, "peak_blocks_held": 0, "sum_blocks_held": 0,
             "decisions_applied": 0, "stale_decisions": 0, "worker_meta_bytes": 0,
+            "copies_confirmed": 0, "copies_failed": 0, "plans_rolled_back": 0,
             "mirror_us": 0.0, "apply_us": 0.0, "reclaim_us": 0.0,
         }
 
@@ -162,11 +171,11 @@ class SchedulerSide:
                 self._freeze_hashing(rid, st)
         self._mirror_batch(batch)
         t1 = time.perf_counter()
-        self._reclaim()
+        copy_src, copy_dst = self._reclaim()
         t2 = time.perf_counter()
         self._admitting.clear()
         meta = VTokenConnectorMetadata(step=self.step, events=self.table.journal.take(self._reader),
-                                       prompt_tokens=prompt_tokens)
+                                       prompt_tokens=prompt_tokens, copy_src=copy_src, copy_dst=copy_dst)
         # The workers build the step's slot lists in start_load_kv, which both runners call
         # before the forward only for steps with synchronous loads.
         so.has_sync_kv_loads = True
@@ -227,19 +236,49 @@ class SchedulerSide:
                     raise InvariantViolation(f"mirror: could not register the cached blocks of {rid!r}")
             st.synced = np.concatenate([st.synced, rest.astype(np.int32)])
 
-    def _reclaim(self) -> None:
+    def _reclaim(self) -> tuple[np.ndarray, np.ndarray]:
+        """Plan and launch this step's relocations; return the slots the workers copy (src, dst)."""
         mgr = self.manager
         plans = mgr.maybe_plan()
         mgr.launch(plans)  # bookkeeping only here: the workers copy after their forward
-        freed = mgr.commit()
-        if plans:
-            self.stats["plans"] += len(plans)
-            self.stats["reclaimed_blocks"] += int(len(freed))
-        for p in plans:
-            if p.request in self.table:
-                self._sync(p.request)
-                # A destination's bytes no longer match any prefix: make sure it carries no hash.
-                self.stats["hashes_dropped"] += drop_hashes(self.pool, p.dst_blocks.tolist())
+        # NOTE: nothing is committed before the workers report the copy (update_output):
+        # the sources stay listed in vLLM and in the table, so a failed copy costs nothing
+        # but the plan, and no block a copy reads can be handed out before it ran.
+        mgr.commit(hold=True)
+        self.alloc.top_up()
+        self._sync_reserve()
+        if not plans:
+            return np.zeros(0, np.int32), np.zeros(0, np.int32)
+        self.stats["plans"] += len(plans)
+        self._unconfirmed[self.step] = plans
+        return (np.concatenate([p.src_slots for p in plans]).astype(np.int32),
+                np.concatenate([p.dst_slots for p in plans]).astype(np.int32))
+
+    def _settle_copies(self, through: int, copies: dict) -> None:
+        """Commit the plans of every step up to ``through`` whose copy all workers report done; roll back the rest.
+
+        ``copies``: the workers' aggregated ``{step: ok}``. vLLM hands the
+        scheduler each step's output once, in step order, and every worker
+        reports its copy of step N in step N's output; a plan of a step up to
+        ``through`` with no report was never copied (a rollback is always
+        safe: no worker reads a destination before the commit's moves).
+        """
+        for step in sorted(s for s in self._unconfirmed if s <= through):
+            plans = self._unconfirmed.pop(step)
+            if copies.get(step) is True:
+                freed = self.manager.confirm(plans)
+                self.stats["copies_confirmed"] += 1
+                self.stats["reclaimed_blocks"] += int(len(freed))
+                for p in plans:
+                    if p.request in self.table:
+                        self._sync(p.request)
+                        # A destination's bytes no longer match any prefix: make sure it carries no hash.
+                        self.stats["hashes_dropped"] += drop_hashes(self.pool, p.dst_blocks.tolist())
+            else:
+                self.stats["copies_failed"] += 1
+                self.stats["plans_rolled_back"] += self.manager.abort(plans)
+                logger.warning("vtoken: the relocation copy of step %d %s; its %d plans were rolled back", step,
+                               "failed on a worker" if step in copies else "was not reported", len(plans))
         self.alloc.top_up()
         self._sync_reserve()
 
@@ -282,7 +321,7 @@ class SchedulerSide:
 
     # ---------------------------------------------------------- after the step
     def update_output(self, worker_meta) -> None:
-        """Evict the victims the workers decided (and have reported) from the table, once each, in step order."""
+        """Evict the victims the workers decided (and have reported), once each, in step order; settle the copies."""
         t0 = time.perf_counter()
         decisions = getattr(worker_meta, "decisions", None) or ()
         if decisions:
@@ -310,6 +349,9 @@ class SchedulerSide:
             self._recent_decisions[dec.step] = dec
             if len(self._recent_decisions) > 64:  # a late rank reports within a few steps
                 del self._recent_decisions[next(iter(self._recent_decisions))]
+        # After the evictions: a plan commits only its survivors.
+        if worker_meta is not None and self._unconfirmed:
+            self._settle_copies(worker_meta.step, worker_meta.copies)
         self.stats["apply_us"] += (time.perf_counter() - t0) * 1e6
         if self.config.checking:
             self.check()
@@ -334,6 +376,9 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         if self.bound:
+            for plans in self._unconfirmed.values():  # their destinations go back to vLLM's pool
+                self.manager.abort(plans)
+            self._unconfirmed = {}
             self.alloc.release_stash()
             self._sync_reserve()
 

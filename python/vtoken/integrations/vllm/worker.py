@@ -7,9 +7,9 @@ created by the connector's ``WORKER`` role and published with
 Per step:
 
 - ``handle_preemptions`` (first call of ``execute_model``): apply the step's
-  table events up to its moves (:mod:`vtoken.journal`, shipped in the
-  connector metadata) to the device mirror (:class:`vtoken.buffers.
-  DeviceMirror`, with no host table of its own), then
+  table events (:mod:`vtoken.journal`, shipped in the connector metadata; the
+  moves of relocations whose copy an earlier step ran) to the device mirror
+  (:class:`vtoken.buffers.DeviceMirror`, with no host table of its own), then
   ``CopyEngine.before_forward``: the compute stream waits on the last
   relocation event (I3; no host wait);
 - ``start_load_kv`` (before the forward: the scheduler side marks every step
@@ -29,15 +29,18 @@ Per step:
   summed over tensor-parallel ranks on the device, the device policy, the
   victims killed in the mirror so the next attention never reads them; a
   request mid-prompt evicts nothing), then ONE ``compact_kv`` launch on the
-  relocation stream covers every move of the step (old slots to new, both in
-  the move events), then the mirror applies the moves;
-- ``build_connector_worker_meta``: the decisions whose records reached the
-  host (never waited for) go back to the scheduler, O(victims) bytes, which
-  applies them to its table (block frees, relocation planning) a step or more
-  late. No per-token score leaves the device.
+  relocation stream copies the step's planned moves (``copy_src`` to
+  ``copy_dst``); the mirror is not touched: the scheduler commits the plans
+  only once every worker reported the copy, and the commit's move events
+  re-point the mirror at a later step;
+- ``build_connector_worker_meta``: the copy's outcome and the decisions whose
+  records reached the host (never waited for) go back to the scheduler,
+  O(victims) bytes, which applies them to its table (block frees, relocation
+  planning) a step or more late. No per-token score leaves the device.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable, Optional
 
@@ -52,6 +55,8 @@ from vtoken.errors import InvalidArgumentError, InvariantViolation
 from vtoken.integrations.vllm.meta import StepDecisions, VTokenConnectorMetadata, VTokenWorkerMetadata
 from vtoken.integrations.vllm.workspace import AttentionWorkspace
 from vtoken.layout import KVLayout
+
+logger = logging.getLogger(__name__)
 
 KV_LAYOUT_NAME = "vllm_fused"  # vLLM 0.32's per-layer view [num_blocks, H, block_size, 2*D] (docs/vllm.md)
 
@@ -112,7 +117,8 @@ class WorkerSide:
         self.layout: Optional[KVLayout] = None
         self.device = torch.device("cpu")
         self._meta: Optional[VTokenConnectorMetadata] = None
-        self._moves: list = []  # this step's move events, applied after the forward
+        self._copies: dict = {}  # step -> its relocation copy was launched (True) or failed (False)
+        self._failure: Optional[Exception] = None  # a debug check that failed before this step's collective
         self._scores: Optional[torch.Tensor] = None
         self._batch: list = []
         self._query_lens = np.zeros(0, dtype=np.int64)
@@ -122,7 +128,7 @@ class WorkerSide:
         self._pending_attention: list = []  # this step's attention metadata, filled by prepare_step
         self.stats = {"steps": 0, "moves": 0, "copies": 0, "event_waits": 0, "slot_lists_built": 0,
                       "slot_list_grows": 0, "decisions": 0, "victims": 0, "worker_meta_bytes": 0,
-                      "attention_plans": 0}
+                      "attention_plans": 0, "failed_copies": 0}
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict) -> None:
@@ -165,15 +171,14 @@ class WorkerSide:
 
     # --------------------------------------------------------- before forward
     def begin_step(self, meta: VTokenConnectorMetadata) -> None:
-        """Apply the step's events up to its moves and fence the last copy (I3)."""
+        """Apply the step's events and fence the last copy (I3)."""
         if not self.ready:
             raise InvariantViolation("worker: metadata arrived before register_kv_caches")
-        before_moves, self._moves = meta.split_moves()
-        for ev in before_moves:
+        for ev in meta.events:
             if ev[0] == "finish":
                 self._prompt_tokens.pop(self.mirror.request_of_row(ev[1]), None)
         self._prompt_tokens.update(meta.prompt_tokens)
-        self.mirror.apply(before_moves)
+        self.mirror.apply(meta.events)
         if self.copy_engine.before_forward(step=meta.step):
             self.stats["event_waits"] += 1
         self._meta = meta
@@ -220,7 +225,7 @@ class WorkerSide:
         if self.checking and meta.slot_mapping is not None and meta.slot_mapping.device.type == "cpu":
             t = int(meta.query_lens[:n].sum())
             if not torch.equal(bufs.slot_mapping[:t].to(torch.int64), meta.slot_mapping[:t].to(torch.int64)):
-                raise InvariantViolation("worker mirror: vtoken's slot mapping differs from vLLM's")
+                self._fail(InvariantViolation("worker mirror: vtoken's slot mapping differs from vLLM's"))
         # NOTE: a view of the fixed-address buffer cut at this batch's live total (known on the
         # host: an upper bound), so key scores are [total, H] rather than [nnz_max, H].
         total = max(int(bufs.kv_indptr_host[n]), 1)
@@ -319,28 +324,44 @@ class WorkerSide:
 
     # ---------------------------------------------------------- after forward
     def end_step(self) -> None:
-        """Decide the step's evictions on the device, then launch its relocation copy and update the mirror."""
-        meta, moves = self._meta, self._moves
+        """Decide the step's evictions on the device, then launch its relocation copy (reported, not applied)."""
+        meta = self._meta
         if meta is None:
+            self._raise_failure()
             return
         if self.loop is not None and self._batch and self._batch_step == meta.step:
             self._decide(meta.step)
-        if not moves:
-            return
-        before = self._capture(moves) if self.checking else None
-        src = np.concatenate([ev[3] for ev in moves])
-        dst = np.concatenate([ev[4] for ev in moves])
-        self.copy_engine.launch(src, dst, step=meta.step)
-        self.mirror.apply(moves)
-        self._moves = []
+        self._raise_failure()  # a step with no collective: nothing to agree on
+        if meta.copy_src.size and meta.step not in self._copies:
+            self._copies[meta.step] = self._copy(meta.copy_src, meta.copy_dst, meta.step)
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray, step: int) -> bool:
+        """Launch the step's relocation copy; False when it failed (the scheduler then rolls its plans back)."""
+        # NOTE: a failure is reported, not raised: the scheduler commits nothing before every
+        # worker reports the copy launched, and no mirror reads a destination before that
+        # commit, so rolling the plans back leaves every request as it was (the sources were
+        # never freed) and the engine keeps serving. The catch decides nothing about the device.
+        try:
+            self.copy_engine.launch(src, dst, step=step)
+        except Exception:
+            logger.exception("vtoken: the relocation copy of step %d failed; the scheduler rolls it back", step)
+            if self.device.type == "cuda":
+                # A partial copy left on the relocation stream must not land after the freed
+                # destinations' next writer: drain it (failure path only).
+                torch.cuda.synchronize(self.device)
+            self.stats["failed_copies"] += 1
+            return False
         self.stats["moves"] += len(src)
         self.stats["copies"] += 1
-        if before is not None:
-            self._check_i1(before)
+        if self.checking:
+            self._check_copy(src, dst)
+        return True
 
     def _decide(self, step: int) -> None:
         """The device decision over the batch just attended (no host sync)."""
         reqs, n, bufs = self._batch, len(self._batch), self.buffers
+        if self.loop.scored:  # first: nothing that may raise on one rank comes before the collective
+            self._sum_masses(int(bufs.kv_indptr_host[n]))
         seq = bufs.num_tokens_host[:n].copy()  # as the slot lists were built (the mirror has not changed since)
         prompt = np.fromiter((self._prompt_tokens.get(r, 0) for r in reqs), dtype=np.int64, count=n)
         qlen = self._query_lens
@@ -349,17 +370,55 @@ class WorkerSide:
         prompt_done = ~defer & (seq - qlen < prompt)
         num_new = np.where(prompt_done, np.minimum(prompt, seq), qlen)
         if self.loop.scored:
-            total = int(bufs.kv_indptr_host[n])
-            if self.reduce_scores is not None:  # identical masses, hence identical decisions, on every rank
-                self.reduce_scores(self._scores[:total])
             self.loop.add_entry_mass(bufs, n, self._scores)
         self._decided_steps[self.loop.steps] = step
         self.loop.decide(reqs, bufs, seq_lens=seq, num_new=num_new, defer=defer, prompt_done=prompt_done)
 
+    def _sum_masses(self, total: int) -> None:
+        """Sum the step's key masses over the tensor-parallel ranks in place; raise a failure all ranks agree on.
+
+        NOTE: every rank must reach this all-reduce once per scored step, or the
+        others hang in it. So nothing before it in the step raises on one rank
+        alone: a debug check that fails earlier (:meth:`_fail`) is kept, and in
+        checking mode a failure flag travels summed with the masses, so every
+        rank raises after the collective: the failing rank its own error, the
+        others an :class:`InvariantViolation` naming the step. Reading the flag
+        syncs with the device, as every debug check does; without checking no
+        failure is deferred (nothing to agree on) and nothing is read.
+        """
+        if self.reduce_scores is None:
+            self._raise_failure()
+            return
+        if not self.checking:  # the same branch on every rank: checking is one setting for all
+            self.reduce_scores(self._scores[:total])  # identical masses, hence identical decisions, on every rank
+            self._raise_failure()
+            return
+        flag = torch.full((1,), float(self._failure is not None), dtype=self._scores.dtype, device=self.device)
+        both = torch.cat([self._scores[:total], flag])
+        self.reduce_scores(both)
+        self._scores[:total].copy_(both[:total])
+        self._raise_failure()
+        if float(both[total]) > 0:
+            step = self._meta.step if self._meta is not None else -1
+            raise InvariantViolation(f"worker: a debug check failed on another tensor-parallel rank at step {step}")
+
+    def _fail(self, error: Exception) -> None:
+        """A debug check failed: raise now with one rank, else after this step's masses collective (:meth:`_sum_masses`)."""
+        if self.reduce_scores is None:
+            raise error
+        if self._failure is None:
+            self._failure = error
+
+    def _raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
     def worker_meta(self) -> VTokenWorkerMetadata:
         """The decisions whose records reached the host since the last report (never waits)."""
         meta = self._meta
-        out = VTokenWorkerMetadata(step=meta.step if meta is not None else -1)
+        out = VTokenWorkerMetadata(step=meta.step if meta is not None else -1, copies=self._copies)
+        self._copies = {}
         if self.loop is None:
             return out
         for rec in self.loop.drain():
@@ -382,24 +441,11 @@ class WorkerSide:
         self._pending_attention = []
 
     # ---------------------------------------------------------------- checks
-    def _capture(self, moves: list) -> dict:
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # debug only: the forward wrote the rows
-        out = {}
-        for ev in moves:
-            req = self.mirror.request_of_row(ev[1])
-            slots, mask = self.mirror.host_copy(req)
-            ids = np.flatnonzero(mask)
-            slots = slots[mask]
-            rows = [invariants.gather_token_rows(c, self.layout, slots).cpu() for c in self.kv_caches]
-            out[req] = (ids, rows)
-        return out
-
-    def _check_i1(self, before: dict) -> None:
-        for t in list(self.copy_engine._pending):
-            t.event.synchronize()
-        for req, (ids, rows) in before.items():
-            slots = self.mirror.host_copy(req)[0][ids]
-            after = [invariants.gather_token_rows(c, self.layout, slots).cpu() for c in self.kv_caches]
-            if invariants.fingerprint_rows(ids, rows) != invariants.fingerprint_rows(ids, after):
-                raise InvariantViolation(f"I1: live K/V bytes of request {req!r} changed across a relocation")
+    def _check_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """I1 for the copy: every layer's K/V rows at ``dst`` equal those at ``src`` (debug; syncs)."""
+        self.copy_engine.synchronize()
+        for c in self.kv_caches:
+            a = invariants.gather_token_rows(c, self.layout, src)
+            b = invariants.gather_token_rows(c, self.layout, dst)
+            if not torch.equal(a, b):
+                raise InvariantViolation("I1: a relocation copy's destination rows differ from its source rows")
