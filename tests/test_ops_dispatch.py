@@ -205,3 +205,15 @@ def test_version_checks():
     # This machine's own versions are supported.
     versions.check_torch(torch.__version__)
     assert versions.installed_triton_problem() is None
+
+
+@needs_ext
+def test_cuda_device_without_an_index_and_without_cuda_is_not_an_error(monkeypatch):
+    """``torch.device("cuda")`` on a machine without CUDA: the extension cannot run there; nothing raises."""
+    asked = fake_cuda_runtime(monkeypatch, has_image=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not ops.extension_runs_on(torch.device("cuda"))
+    monkeypatch.setenv("VTOKEN_BACKEND", "cuda")
+    with pytest.raises(BackendUnavailableError, match=r"cannot run on cuda: torch.cuda.is_available\(\) is False"):
+        ops.select_backend("compact_kv", torch.device("cuda"))
+    assert asked == []
