@@ -217,3 +217,19 @@ def test_cuda_device_without_an_index_and_without_cuda_is_not_an_error(monkeypat
     with pytest.raises(BackendUnavailableError, match=r"cannot run on cuda: torch.cuda.is_available\(\) is False"):
         ops.select_backend("compact_kv", torch.device("cuda"))
     assert asked == []
+
+
+@needs_ext
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error path of a machine without a usable GPU")
+def test_real_failed_query_falls_back_to_triton_with_one_warning(monkeypatch):
+    """The real CUDA runtime (no GPU or driver here) answers through dispatch: a warning with its error, no raise.
+
+    Only torch's answer is faked, as on a machine whose torch sees a GPU that
+    the extension's newer CUDA runtime cannot use (cudaErrorInsufficientDriver).
+    """
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.warns(RuntimeWarning) as record:
+        assert [ops.select_backend(op, GPU) for op in ("compact_kv", "build_slot_lists")] == ["triton", "triton"]
+    assert len(record) == 1
+    assert "vtoken._C's CUDA kernels cannot run on cuda:0: CUDA query on device 0 failed: " in str(record[0].message)
+    assert "(cudaError" in str(record[0].message)
