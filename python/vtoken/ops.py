@@ -54,7 +54,7 @@ def extension_runs_on(device: torch.device) -> bool:
 def _extension_cause(device: torch.device) -> str | None:
     """Why ``vtoken._C``'s ops cannot run on ``device``, or ``None`` when they can."""
     if device.type != "cuda" or not has_extension_op("kernel_image_status"):
-        return None  # (a vtoken._C built before the query existed: dispatch as it always did)
+        return None  # the CPU; or a vtoken._C built before the query existed: dispatch as it always did
     if not torch.cuda.is_available():
         return "torch.cuda.is_available() is False"
     return _extension_cuda_cause(device.index if device.index is not None else torch.cuda.current_device())
