@@ -71,11 +71,19 @@ setup(
     package_data={"vtoken.experiments": ["prompts.jsonl"]},  # the shipped chat prompt set
     # torch is not pinned here: GPU servers bring their own CUDA build. On CPU
     # machines install torch==2.13.0 first (see README) so pip never pulls CUDA torch.
-    install_requires=["numpy>=1.24", "torch>=2.4"],
+    # Supported: torch >= 2.11, Triton >= 3.6 (vtoken.versions checks both at run time).
+    # NOTE: Triton is not required: Linux CUDA torch wheels already depend on the
+    # Triton they were built with, and on a CPU install it only serves the
+    # interpreter (the tests); without it vtoken.ops uses the extension or the
+    # torch reference. The "triton" extra adds it.
+    install_requires=["numpy>=1.24", "torch>=2.11"],
     extras_require={
+        "triton": ["triton>=3.6"],
         # transformers 5.19 verified against torch 2.13 CPU (it pulls no torch); fidelity tests only.
         # ninja: torch.utils.cpp_extension.load builds the test-only ops (csrc/testing/) with it.
-        "test": ["pytest", "hypothesis", "transformers==5.19.0", "safetensors>=0.4", "ninja", "gguf>=0.17"],
+        # triton: the kernel tests run it (its interpreter on CPU).
+        "test": ["pytest", "hypothesis", "triton>=3.6", "transformers==5.19.0", "safetensors>=0.4", "ninja",
+                 "gguf>=0.17"],
         "bench": ["matplotlib", "rich", "tabulate", "nvidia-ml-py"],
         # Real checkpoints (vtoken.checkpoints): GGUF reading, HF export, tokenizers and chat templates.
         "models": ["gguf>=0.17", "transformers==5.19.0", "safetensors>=0.4"],

@@ -25,7 +25,7 @@ Environment knobs:
 ``VTOKEN_NVCC_GENCODE``   replaces the default ``-gencode`` flags, e.g.
                           ``"-gencode arch=compute_90,code=sm_90"``. On a GPU
                           without code in the build, vtoken.ops falls back to
-                          Triton (vtoken::has_cuda_kernel_image tells).
+                          Triton (vtoken::kernel_image_status tells).
 ``MAX_JOBS``              parallel compile jobs (nvcc and ninja)
 """
 from __future__ import annotations

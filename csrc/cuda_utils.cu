@@ -7,6 +7,10 @@ extern "C" const char* vtoken_cuda_error_string(int err) {
   return cudaGetErrorString(static_cast<cudaError_t>(err));
 }
 
+extern "C" const char* vtoken_cuda_error_name(int err) {
+  return cudaGetErrorName(static_cast<cudaError_t>(err));
+}
+
 namespace {
 // Does nothing; it exists to be asked about. Every csrc/*.cu is compiled with
 // the same -gencode flags (csrc/build_ext.py), so whether this kernel has code

@@ -16,6 +16,8 @@ extern "C" {
 // ---- shared (csrc/cuda_utils.cu) -------------------------------------------
 // Message of a cudaError_t returned by a launcher.
 const char* vtoken_cuda_error_string(int err);
+// Its enum name, e.g. "cudaErrorInsufficientDriver".
+const char* vtoken_cuda_error_name(int err);
 // Sets *has_image to 1 when this library holds code CUDA device `device` can
 // run (SASS for its arch, or PTX the driver JIT-compiles), else 0. Returns a
 // cudaError_t as int: nonzero when the query itself failed.

@@ -22,6 +22,7 @@ from vtoken.reference import block_live_counts as ref
 import vtoken_kernels.block_live_counts as tk
 
 from aot_helpers import AOT_ARCHS, compile_kernel, compile_module_in_fresh_process, expected_compiles
+from kernel_device import device_for, extension_runs_on_gpu
 
 HAS_EXT = ops.extension_loaded() and hasattr(torch.ops.vtoken, "block_live_counts")
 PAD = -1
@@ -114,25 +115,28 @@ def test_oracle_on_a_hand_example():
 def test_matches_oracle(shape, density, allocated, backend):
     for seed in SEEDS:
         slots, alive, alloc = make_inputs(*shape, density, seed, allocated=allocated,
-                                          alive_dtype=(torch.int8, torch.bool)[seed])
-        assert_matches(run_backend(backend, slots, alive, *shape[:2], alloc), oracle(slots, alive, *shape[:2], alloc))
+                                          alive_dtype=(torch.int8, torch.bool)[seed], device=device_for(backend))
+        assert_matches(run_backend(backend, slots, alive, *shape[:2], alloc), oracle(slots, alive, *shape[:2], alloc),
+                       device_for(backend))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_duplicate_slots_and_contention(backend):
     """Slots drawn with replacement (not a valid table state, but the histogram must still be exact)."""
-    slots, alive, alloc = make_inputs(2, 64, 9000, 0.9, 3, unique=False)
-    assert_matches(run_backend(backend, slots, alive, 2, 64, alloc), oracle(slots, alive, 2, 64, alloc))
+    slots, alive, alloc = make_inputs(2, 64, 9000, 0.9, 3, unique=False, device=device_for(backend))
+    assert_matches(run_backend(backend, slots, alive, 2, 64, alloc), oracle(slots, alive, 2, 64, alloc),
+                   device_for(backend))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_out_of_range_slots_are_skipped_by_the_kernels(backend):
     """Without content checks, live slots outside [0, N*S) (other than PAD) count nowhere."""
-    slots, alive, alloc = make_inputs(50, 16, 400, 1.0, 4)
+    slots, alive, alloc = make_inputs(50, 16, 400, 1.0, 4, device=device_for(backend))
     slots[::5] = 50 * 16 + torch.arange(0, 400, 5, dtype=torch.int32)
     slots[1::5] = -2 - torch.arange(0, 399, 5, dtype=torch.int32)
     before = (slots.clone(), alive.clone(), alloc.clone())
-    assert_matches(run_backend(backend, slots, alive, 50, 16, alloc), oracle(slots, alive, 50, 16, alloc))
+    assert_matches(run_backend(backend, slots, alive, 50, 16, alloc), oracle(slots, alive, 50, 16, alloc),
+                   device_for(backend))
     assert all(torch.equal(x, y) for x, y in zip(before, (slots, alive, alloc)))
 
 
@@ -143,13 +147,14 @@ def _ops_backends():
 @pytest.mark.parametrize("backend", _ops_backends())
 def test_ops_dispatch(backend, monkeypatch):
     monkeypatch.setenv("VTOKEN_BACKEND", backend)
-    slots, alive, alloc = make_inputs(301, 16, 2003, 0.5, 5)
-    assert_matches(ops.block_live_counts(slots, alive, 301, 16, alloc), oracle(slots, alive, 301, 16, alloc))
-    assert_matches(ops.block_live_counts(slots, alive, 301, 16), oracle(slots, alive, 301, 16, None))
+    slots, alive, alloc = make_inputs(301, 16, 2003, 0.5, 5, device=device_for(backend))
+    want = device_for(backend)
+    assert_matches(ops.block_live_counts(slots, alive, 301, 16, alloc), oracle(slots, alive, 301, 16, alloc), want)
+    assert_matches(ops.block_live_counts(slots, alive, 301, 16), oracle(slots, alive, 301, 16, None), want)
 
 
-def _valid():
-    slots, alive, alloc = make_inputs(20, 16, 100, 0.5, 6)
+def _valid(device="cpu"):
+    slots, alive, alloc = make_inputs(20, 16, 100, 0.5, 6, device=device)
     return [slots, alive, 20, 16, alloc]
 
 
@@ -158,7 +163,8 @@ BAD_ARGS = [
     ("slots 2-D", lambda a: a.__setitem__(0, a[0].view(10, 10)), InvalidTypeError, "slots: expected 1 dims"),
     ("alive float", lambda a: a.__setitem__(1, a[1].float()), InvalidTypeError, "alive: expected dtype"),
     ("alive short", lambda a: a.__setitem__(1, a[1][:-1]), InvalidTypeError, "alive: expected shape"),
-    ("slots strided", lambda a: (a.__setitem__(0, torch.zeros(200, dtype=torch.int32)[::2])), InvalidArgumentError,
+    ("slots strided", lambda a: (a.__setitem__(0, torch.zeros(200, dtype=torch.int32, device=a[1].device)[::2])),
+     InvalidArgumentError,
      "slots: expected a contiguous"),
     ("num_blocks < 0", lambda a: a.__setitem__(2, -1), InvalidArgumentError, "num_blocks: expected >= 0"),
     ("num_blocks float", lambda a: a.__setitem__(2, 20.0), InvalidTypeError, "num_blocks: expected an int"),
@@ -178,7 +184,7 @@ BAD_ARGS = [
 @pytest.mark.parametrize("name,mutate,exc,match", BAD_ARGS, ids=[b[0] for b in BAD_ARGS])
 def test_bad_arguments_raise(name, mutate, exc, match, backend, monkeypatch):
     monkeypatch.setenv("VTOKEN_BACKEND", backend)
-    args = _valid()
+    args = _valid(device_for(backend))
     mutate(args)
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     with pytest.raises(exc, match=match):
@@ -236,7 +242,7 @@ def test_aot_compile_for_sm90_sm80():
 
 
 def _gpu_backends():
-    return ["torch", "triton"] + (["cuda"] if HAS_EXT else [])
+    return ["torch", "triton"] + (["cuda"] if extension_runs_on_gpu() else [])
 
 
 # (num_blocks, block_size, num_tokens): the first takes the CUDA shared-memory
@@ -268,7 +274,7 @@ def test_gpu_backends_match_reference(shape, density):
 def test_gpu_graph_capture_no_sync():
     """F stays on the device and the op replays in a CUDA graph."""
     slots, alive, alloc = make_inputs(500, 16, 6000, 0.5, 8, device="cuda")
-    for backend in ("triton", "cuda") if HAS_EXT else ("triton",):
+    for backend in ("triton", "cuda") if extension_runs_on_gpu() else ("triton",):
         run_backend(backend, slots, alive, 500, 16, alloc)  # warm up / compile
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

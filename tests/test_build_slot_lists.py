@@ -25,6 +25,7 @@ from vtoken import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.reference import build_slot_lists as ref
 import vtoken_kernels.build_slot_lists as tk
+from kernel_device import KERNEL_DEVICE, device_for, extension_runs_on_gpu
 
 from aot_helpers import AOT_ARCHS, compile_kernel, compile_module_in_fresh_process, expected_compiles
 
@@ -189,44 +190,47 @@ def test_batch_fixture_places_requests_out_of_order():
 @pytest.mark.parametrize("density", DENSITIES)
 @pytest.mark.parametrize("case", list(LENGTHS))
 def test_build_matches_oracle_and_reference(case, density, seed, backend):
+    dev = device_for(backend)
     reqs = random_requests(LENGTHS[case], density, seed)
     k = new_counts_for(reqs, seed)
     batch = Batch(reqs, gap=seed * 6, left_out=seed * 5, seed=seed)
     slots, alive, starts, lens = batch.tensors(
-        lens_dtype=(torch.int64, torch.int32)[seed % 2], alive_dtype=(torch.int8, torch.bool)[seed % 2])
-    counts = torch.tensor(k, dtype=(torch.int32, torch.int64)[seed % 2])
+        lens_dtype=(torch.int64, torch.int32)[seed % 2], alive_dtype=(torch.int8, torch.bool)[seed % 2], device=dev)
+    counts = torch.tensor(k, dtype=(torch.int32, torch.int64)[seed % 2], device=dev)
     nnz_max, max_reqs, max_tokens = sizes(reqs, k)
     want = oracle(reqs, k, nnz_max, max_reqs, max_tokens)
     assert reference_lists(slots, alive, starts, lens, counts, nnz_max, max_reqs, max_tokens, len(reqs)) == want
-    bufs = poisoned_buffers(nnz_max, max_reqs, max_tokens)
+    bufs = poisoned_buffers(nnz_max, max_reqs, max_tokens, device=dev)
     run_backend(backend, slots, alive, starts, lens, counts, bufs, len(reqs))
     assert as_lists(bufs) == want
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_without_kv_pos_the_other_outputs_are_the_same(backend):
+    dev = device_for(backend)
     reqs = random_requests([40, 0, 700, 9], 0.6, 3)
     k = new_counts_for(reqs, 3)
-    slots, alive, starts, lens = Batch(reqs, gap=4, left_out=3, seed=3).tensors()
+    slots, alive, starts, lens = Batch(reqs, gap=4, left_out=3, seed=3).tensors(device=dev)
     nnz_max, max_reqs, max_tokens = sizes(reqs, k)
-    bufs = poisoned_buffers(nnz_max, max_reqs, max_tokens)[:3]
-    run_backend(backend, slots, alive, starts, lens, torch.tensor(k), bufs, len(reqs))
+    bufs = poisoned_buffers(nnz_max, max_reqs, max_tokens, device=dev)[:3]
+    run_backend(backend, slots, alive, starts, lens, torch.tensor(k, device=dev), bufs, len(reqs))
     assert as_lists(bufs) == oracle(reqs, k, nnz_max, max_reqs, max_tokens)[:3]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_adjacent_ranges_in_reverse_order(backend):
     """No gap at all, batch order the reverse of mirror order: range ends are the next range's start."""
+    dev = device_for(backend)
     reqs = random_requests([7, 1, 300, 16, 0, 5], 0.7, 4)
     k = new_counts_for(reqs, 4)
     batch = Batch(reqs, shuffle=False)
-    slots, alive, _, _ = batch.tensors()
+    slots, alive, _, _ = batch.tensors(device=dev)
     rev = reqs[::-1]
-    starts = torch.tensor(batch.starts[::-1], dtype=torch.int64)
-    lens = torch.tensor([len(s) for s, _ in rev])
+    starts = torch.tensor(batch.starts[::-1], dtype=torch.int64, device=dev)
+    lens = torch.tensor([len(s) for s, _ in rev], device=dev)
     nnz_max, max_reqs, max_tokens = sizes(rev, k[::-1])
-    bufs = poisoned_buffers(nnz_max, max_reqs, max_tokens)
-    run_backend(backend, slots, alive, starts, lens, torch.tensor(k[::-1]), bufs, len(rev))
+    bufs = poisoned_buffers(nnz_max, max_reqs, max_tokens, device=dev)
+    run_backend(backend, slots, alive, starts, lens, torch.tensor(k[::-1], device=dev), bufs, len(rev))
     assert as_lists(bufs) == oracle(rev, k[::-1], nnz_max, max_reqs, max_tokens)
 
 
@@ -236,40 +240,44 @@ def test_triton_many_tiles_per_span(case, density, tiny_tiles):
     """tiles_per_span > 1, tiles across request edges and multi-chunk prefix loads (tiny tiles)."""
     reqs = random_requests(LENGTHS[case], density, 3)
     k = new_counts_for(reqs, 3, max_new=400)
-    slots, alive, starts, lens = Batch(reqs, gap=9, left_out=3, seed=3).tensors()
+    slots, alive, starts, lens = Batch(reqs, gap=9, left_out=3, seed=3).tensors(device=KERNEL_DEVICE)
     nnz_max, max_reqs, max_tokens = sizes(reqs, k, extra=(300, 20, 700))
     num_spans, tiles_per_span = tk.plan_spans(slots.numel())
     assert num_spans <= tk.MAX_SPANS and tiles_per_span > 1
-    bufs = poisoned_buffers(nnz_max, max_reqs, max_tokens)
-    tk.build_slot_lists(slots, alive, starts, lens, torch.tensor(k), *bufs[:3], bufs[3], len(reqs))
+    bufs = poisoned_buffers(nnz_max, max_reqs, max_tokens, device=KERNEL_DEVICE)
+    counts = torch.tensor(k, device=KERNEL_DEVICE)
+    tk.build_slot_lists(slots, alive, starts, lens, counts, *bufs[:3], bufs[3], len(reqs))
     assert as_lists(bufs) == oracle(reqs, k, nnz_max, max_reqs, max_tokens)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_num_reqs_uses_a_prefix_of_the_batch(backend):
+    dev = device_for(backend)
     reqs = random_requests([40, 7, 300, 9], 0.6, 5)
     k = new_counts_for(reqs, 5)
-    slots, alive, starts, lens = Batch(reqs, gap=2, seed=5).tensors()
+    slots, alive, starts, lens = Batch(reqs, gap=2, seed=5).tensors(device=dev)
     nnz_max, max_reqs, max_tokens = sizes(reqs, k)
-    bufs = poisoned_buffers(nnz_max, max_reqs, max_tokens)
-    run_backend(backend, slots, alive, starts, lens, torch.tensor(k), bufs, 2)
+    bufs = poisoned_buffers(nnz_max, max_reqs, max_tokens, device=dev)
+    run_backend(backend, slots, alive, starts, lens, torch.tensor(k, device=dev), bufs, 2)
     assert as_lists(bufs) == oracle(reqs[:2], k[:2], nnz_max, max_reqs, max_tokens)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_requests_and_empty_mirror(backend):
-    bufs = poisoned_buffers(5, 3, 4)
-    empty = torch.zeros(0, dtype=torch.int32)
-    none = torch.zeros(0, dtype=torch.int64)
+    dev = device_for(backend)
+    bufs = poisoned_buffers(5, 3, 4, device=dev)
+    empty = torch.zeros(0, dtype=torch.int32, device=dev)
+    none = torch.zeros(0, dtype=torch.int64, device=dev)
     run_backend(backend, empty, empty.to(torch.int8), none, none, none, bufs, 0)
     assert as_lists(bufs) == ([PAD] * 5, [0] * 4, [PAD] * 4, [PAD] * 5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_requests_over_a_live_mirror(backend):
-    slots, alive, starts, lens = Batch(random_requests([50, 60], 1.0, 6), seed=6).tensors()
-    bufs = poisoned_buffers(5, 3, 4)
-    run_backend(backend, slots, alive, starts, lens, torch.zeros(2, dtype=torch.int64), bufs, 0)
+    dev = device_for(backend)
+    slots, alive, starts, lens = Batch(random_requests([50, 60], 1.0, 6), seed=6).tensors(device=dev)
+    bufs = poisoned_buffers(5, 3, 4, device=dev)
+    run_backend(backend, slots, alive, starts, lens, torch.zeros(2, dtype=torch.int64, device=dev), bufs, 0)
     assert as_lists(bufs) == ([PAD] * 5, [0] * 4, [PAD] * 4, [PAD] * 5)
 
 
@@ -277,16 +285,17 @@ def test_zero_requests_over_a_live_mirror(backend):
 @pytest.mark.parametrize("case", ["long_middle", "many_small"])
 def test_overflow_saturates_without_writing_out_of_bounds(case, backend):
     """Capacity is the caller's contract; past it entries are dropped, never written out of bounds."""
+    dev = device_for(backend)
     reqs = random_requests(LENGTHS[case], 0.7, 9)
     k = new_counts_for(reqs, 9)
-    slots, alive, starts, lens = Batch(reqs, gap=3, seed=9).tensors()
+    slots, alive, starts, lens = Batch(reqs, gap=3, seed=9).tensors(device=dev)
     live = sum(sum(a) for _, a in reqs)
     nnz_max, max_reqs, max_tokens = live // 2 + 1, len(reqs), max(sum(k) // 2, 1)
     guard = 11
-    arena = [torch.full((n + 2 * guard,), POISON, dtype=torch.int32)
+    arena = [torch.full((n + 2 * guard,), POISON, dtype=torch.int32, device=dev)
              for n in (nnz_max, max_reqs + 1, max_tokens, nnz_max)]
     bufs = tuple(a[guard:-guard] for a in arena)
-    run_backend(backend, slots, alive, starts, lens, torch.tensor(k), bufs, len(reqs))
+    run_backend(backend, slots, alive, starts, lens, torch.tensor(k, device=dev), bufs, len(reqs))
     assert as_lists(bufs) == oracle(reqs, k, nnz_max, max_reqs, max_tokens)
     for a in arena:  # the guard bands around each buffer are untouched
         assert (a[:guard] == POISON).all() and (a[-guard:] == POISON).all()
@@ -295,11 +304,12 @@ def test_overflow_saturates_without_writing_out_of_bounds(case, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pad_slots_of_dead_and_new_tokens_are_copied_verbatim(backend):
     """Dead tokens may carry PAD; a new token's PAD slot goes to slot_mapping as PAD (skipped by writers)."""
+    dev = device_for(backend)
     reqs = [([PAD, 3, PAD, 9], [0, 1, 0, 0]), ([PAD, 40, 41], [0, 1, 1])]
     k = [2, 2]
-    slots, alive, starts, lens = Batch(reqs, shuffle=False).tensors()
-    bufs = poisoned_buffers(4, 3, 5)
-    run_backend(backend, slots, alive, starts, lens, torch.tensor(k), bufs, 2)
+    slots, alive, starts, lens = Batch(reqs, shuffle=False).tensors(device=dev)
+    bufs = poisoned_buffers(4, 3, 5, device=dev)
+    run_backend(backend, slots, alive, starts, lens, torch.tensor(k, device=dev), bufs, 2)
     assert as_lists(bufs) == ([3, 40, 41, PAD], [0, 1, 3, 3], [PAD, 9, 40, 41, PAD], [1, 1, 2, PAD])
 
 
@@ -315,13 +325,14 @@ def _ops_backends():
 
 @pytest.mark.parametrize("backend", _ops_backends())
 def test_ops_dispatch(backend, monkeypatch):
+    dev = device_for(backend)
     monkeypatch.setenv("VTOKEN_BACKEND", backend)
     reqs = random_requests([70, 3, 4500], 0.5, 6)
     k = new_counts_for(reqs, 6)
-    slots, alive, starts, lens = Batch(reqs, gap=5, left_out=4, seed=6).tensors(alive_dtype=torch.bool)
+    slots, alive, starts, lens = Batch(reqs, gap=5, left_out=4, seed=6).tensors(alive_dtype=torch.bool, device=dev)
     nnz_max, max_reqs, max_tokens = sizes(reqs, k)
-    bufs = poisoned_buffers(nnz_max, max_reqs, max_tokens)
-    ops.build_slot_lists(slots, alive, starts, lens, torch.tensor(k), *bufs[:3], kv_pos=bufs[3])
+    bufs = poisoned_buffers(nnz_max, max_reqs, max_tokens, device=dev)
+    ops.build_slot_lists(slots, alive, starts, lens, torch.tensor(k, device=dev), *bufs[:3], kv_pos=bufs[3])
     assert as_lists(bufs) == oracle(reqs, k, nnz_max, max_reqs, max_tokens)
 
 
@@ -486,7 +497,7 @@ def test_aot_compile_for_sm90_sm80():
 
 def _gpu_backends():
     out = ["torch", "triton"]
-    if HAS_EXT:
+    if extension_runs_on_gpu():
         out.append("cuda")
     return out
 
@@ -523,7 +534,7 @@ def test_gpu_graph_replay_after_in_place_edits():
     reqs = random_requests([rng.randint(0, 5000) for _ in range(40)], 0.7, 5)
     k = new_counts_for(reqs, 5)
     nnz_max, max_reqs, max_tokens = 400_000, 48, 40_000
-    for backend in ("triton", "cuda") if HAS_EXT else ("triton",):
+    for backend in ("triton", "cuda") if extension_runs_on_gpu() else ("triton",):
         batch = Batch(reqs, gap=30, left_out=100, seed=5)
         slots, alive, starts, lens = batch.tensors(device="cuda")
         counts = torch.tensor(k, device="cuda")

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from aot_helpers import AOT_ARCHS, compile_kernel, compile_module_in_fresh_process, expected_compiles
+from kernel_device import device_for, extension_runs_on_gpu
 from vtoken import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.layout import KVLayout
@@ -216,9 +217,11 @@ def assert_arena_equal(actual: np.ndarray, expected: np.ndarray):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compact_kv_matches_oracle(backend, variant, dtype, case):
+    dev = device_for(backend)
     nb, bs, h, d, num_layers, num_moves, seed = case
-    arena, caches, layout = build_caches(variant, dtype, nb, bs, h, d, num_layers, seed=seed, misalign=seed % 2 == 1)
-    src, dst = random_moves(layout.num_slots, num_moves, seed)
+    arena, caches, layout = build_caches(variant, dtype, nb, bs, h, d, num_layers, seed=seed, misalign=seed % 2 == 1,
+                                         device=dev)
+    src, dst = random_moves(layout.num_slots, num_moves, seed, device=dev)
     before = arena.snapshot()
     run_backend(backend, caches, layout, src, dst, validate=True)
     expected = oracle(before, arena, caches, layout, src, dst)
@@ -229,13 +232,14 @@ def test_compact_kv_matches_oracle(backend, variant, dtype, case):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pad_only_and_empty_leave_memory_identical(backend):
-    arena, caches, layout = build_caches("nhd", torch.bfloat16, 4, 8, 2, 16, 2)
+    dev = device_for(backend)
+    arena, caches, layout = build_caches("nhd", torch.bfloat16, 4, 8, 2, 16, 2, device=dev)
     before = arena.snapshot()
-    pad = torch.full((9,), -1, dtype=torch.int32)
-    slots = torch.arange(9, dtype=torch.int32)
+    pad = torch.full((9,), -1, dtype=torch.int32, device=dev)
+    slots = torch.arange(9, dtype=torch.int32, device=dev)
     run_backend(backend, caches, layout, pad, slots)
     run_backend(backend, caches, layout, slots, pad)
-    empty = torch.empty(0, dtype=torch.int32)
+    empty = torch.empty(0, dtype=torch.int32, device=dev)
     run_backend(backend, caches, layout, empty, empty)
     assert_arena_equal(arena.snapshot(), before)
 
@@ -243,21 +247,24 @@ def test_pad_only_and_empty_leave_memory_identical(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_payloads_copied_bit_exactly(backend):
     """fp16 / fp32 NaNs with distinct payloads survive (no float round trip)."""
+    dev = device_for(backend)
     for dtype, nan_bits in ((torch.float16, [0x7C01, 0xFE77, 0x7D55]), (torch.float32, [0x7F800001, 0xFFC12345])):
-        arena, caches, layout = build_caches("hnd", dtype, 3, 4, 1, len(nan_bits), 1)
+        arena, caches, layout = build_caches("hnd", dtype, 3, 4, 1, len(nan_bits), 1, device=dev)
         ints = contracts.int_view(caches[0])
-        ints[0, 0, 0, 1] = torch.tensor(nan_bits, dtype=torch.int64).to(ints.dtype)  # slot 1 K row
-        run_backend(backend, caches, layout, torch.tensor([1], dtype=torch.int32), torch.tensor([9], dtype=torch.int32))
+        ints[0, 0, 0, 1] = torch.tensor(nan_bits, dtype=torch.int64, device=dev).to(ints.dtype)  # slot 1 K row
+        src, dst = (torch.tensor([x], dtype=torch.int32, device=dev) for x in (1, 9))
+        run_backend(backend, caches, layout, src, dst)
         assert torch.equal(ints[2, 0, 0, 1], ints[0, 0, 0, 1])  # slot 9 = block 2, offset 1
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton", "torch"])
 def test_ops_dispatch_every_backend(backend, monkeypatch):
+    dev = device_for(backend)
     if backend == "cuda" and not HAS_EXT:
         pytest.skip("vtoken._C is not built")
     monkeypatch.setenv("VTOKEN_BACKEND", backend)
-    arena, caches, layout = build_caches("vllm_fused", torch.float16, 6, 16, 2, 32, 3, seed=5)
-    src, dst = random_moves(layout.num_slots, 17, 5)
+    arena, caches, layout = build_caches("vllm_fused", torch.float16, 6, 16, 2, 32, 3, seed=5, device=dev)
+    src, dst = random_moves(layout.num_slots, 17, 5, device=dev)
     before = arena.snapshot()
     ops.compact_kv(caches, layout, src, dst)
     assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, layout, src, dst))
@@ -306,12 +313,13 @@ CONTRACT_BREAKS = [
 @pytest.mark.parametrize("name,make,match", CONTRACT_BREAKS, ids=[c[0] for c in CONTRACT_BREAKS])
 @pytest.mark.parametrize("backend", ["cuda", "triton", "torch"])
 def test_contract_violation_raises_and_leaves_memory(backend, name, make, match, monkeypatch):
+    dev = device_for(backend)
     if backend == "cuda" and not HAS_EXT:
         pytest.skip("vtoken._C is not built")
     monkeypatch.setenv("VTOKEN_BACKEND", backend)
-    arena, caches, layout = build_caches("nhd", torch.float16, 4, 4, 2, 8, 2)
+    arena, caches, layout = build_caches("nhd", torch.float16, 4, 4, 2, 8, 2, device=dev)
     s, d = make(layout.num_slots)
-    src, dst = torch.tensor(s, dtype=torch.int32), torch.tensor(d, dtype=torch.int32)
+    src, dst = torch.tensor(s, dtype=torch.int32, device=dev), torch.tensor(d, dtype=torch.int32, device=dev)
     before = arena.snapshot()
     with pytest.raises(InvalidArgumentError, match=match):
         ops.compact_kv(caches, layout, src, dst, validate=True)
@@ -326,14 +334,15 @@ def test_contract_violation_raises_and_leaves_memory(backend, name, make, match,
 @pytest.mark.parametrize("backend", ["cuda", "triton", "torch"])
 def test_unvalidated_out_of_range_moves_are_skipped(backend, monkeypatch):
     """With validation off, a move with an out-of-range slot never writes (memory safety)."""
+    dev = device_for(backend)
     if backend == "cuda" and not HAS_EXT:
         pytest.skip("vtoken._C is not built")
     monkeypatch.setenv("VTOKEN_BACKEND", backend)
     monkeypatch.setenv("VTOKEN_DEBUG_INVARIANTS", "0")
-    arena, caches, layout = build_caches("hnd", torch.float32, 4, 4, 2, 8, 2)
+    arena, caches, layout = build_caches("hnd", torch.float32, 4, 4, 2, 8, 2, device=dev)
     n = layout.num_slots
-    src = torch.tensor([0, n, 3, -7, 2**31 - 1], dtype=torch.int32)
-    dst = torch.tensor([n + 1, 5, 6, 8, 9], dtype=torch.int32)
+    src = torch.tensor([0, n, 3, -7, 2**31 - 1], dtype=torch.int32, device=dev)
+    dst = torch.tensor([n + 1, 5, 6, 8, 9], dtype=torch.int32, device=dev)
     before = arena.snapshot()
     ops.compact_kv(caches, layout, src, dst)  # validate=None -> off
     expected = oracle(before, arena, caches, layout, src, dst)
@@ -378,15 +387,16 @@ LAYOUT_MISMATCHES = [("hnd", "nhd"), ("nhd", "hnd"), ("vllm_fused", "nhd"), ("vl
 @pytest.mark.parametrize("layout_name,cache_name", LAYOUT_MISMATCHES, ids=[f"{a}-on-{b}" for a, b in LAYOUT_MISMATCHES])
 @pytest.mark.parametrize("backend", ["cuda", "triton", "torch"])
 def test_layout_of_another_dim_order_is_rejected(backend, layout_name, cache_name, monkeypatch):
+    dev = device_for(backend)
     if backend == "cuda" and not HAS_EXT:
         pytest.skip("vtoken._C is not built")
     from vtoken.layout import kv_cache_shape
 
     monkeypatch.setenv("VTOKEN_BACKEND", backend)
-    arena, caches, right = build_caches(cache_name, torch.float16, 4, 4, 3, 8, 3)
+    arena, caches, right = build_caches(cache_name, torch.float16, 4, 4, 3, 8, 3, device=dev)
     wrong = KVLayout.from_tensor(torch.empty(kv_cache_shape(layout_name, 4, 4, 3, 8), dtype=torch.float16), layout_name)
     assert wrong.num_slots == right.num_slots and contracts.layout_extent(wrong) == caches[0].numel()
-    src, dst = random_moves(wrong.num_slots, 6, 8)
+    src, dst = random_moves(wrong.num_slots, 6, 8, device=dev)
     before = arena.snapshot()
     for validate in (True, False):
         with pytest.raises(InvalidArgumentError, match=r"layout: expected a layout that addresses the cache tensor "
@@ -548,8 +558,9 @@ def test_layer_offsets_cache_stays_bounded_and_exact(monkeypatch):
     n_sets = 2 * kmod._OFFSETS_CACHE_SIZE + 3
     keys = set()
     for seed in range(n_sets):  # random gaps between layers: a distinct relative layout (key) per set
-        arena, caches, layout = build_caches("nhd", torch.float16, 4, 4, 1, 8, 5, seed=100 + seed)
-        src, dst = random_moves(layout.num_slots, 5, seed)
+        dev = device_for("triton")
+        arena, caches, layout = build_caches("nhd", torch.float16, 4, 4, 1, 8, 5, device=dev, seed=100 + seed)
+        src, dst = random_moves(layout.num_slots, 5, seed, device=dev)
         before = arena.snapshot()
         run_backend("triton", caches, layout, src, dst, validate=True)
         assert_arena_equal(arena.snapshot(), oracle(before, arena, caches, layout, src, dst))
@@ -623,7 +634,7 @@ def test_gpu_cuda_and_triton_match_reference(variant, dtype, misalign):
 
     results = {}
     for backend in ("torch", "triton", "cuda"):
-        if backend == "cuda" and not HAS_EXT:
+        if backend == "cuda" and not extension_runs_on_gpu():
             continue
         arena, caches, layout = build_caches(variant, dtype, 64, 16, 4, 128, 5, device="cuda", seed=3, misalign=misalign)
         src, dst = random_moves(layout.num_slots, 300, 3, device="cuda")
@@ -641,7 +652,7 @@ def test_gpu_cuda_and_triton_match_reference(variant, dtype, misalign):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_EXT, reason="vtoken._C is not built")
+@pytest.mark.skipif(not extension_runs_on_gpu(), reason="vtoken._C is not built or cannot run on this GPU")
 def test_gpu_more_layers_than_one_launch_holds():
     """300 layers take two launches of the CUDA kernel (256 base pointers each)."""
     arena, caches, layout = build_caches("mla", torch.bfloat16, 8, 4, 1, 64, 300, device="cuda", seed=4)
@@ -656,8 +667,8 @@ def test_gpu_more_layers_than_one_launch_holds():
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_cuda_graph_replays_padded_buffer(backend, monkeypatch):
     """A fixed-address, PAD-padded move buffer captured once replays new moves."""
-    if backend == "cuda" and not HAS_EXT:
-        pytest.skip("vtoken._C is not built")
+    if backend == "cuda" and not extension_runs_on_gpu():
+        pytest.skip("vtoken._C is not built or cannot run on this GPU")
     monkeypatch.setenv("VTOKEN_BACKEND", backend)
     arena, caches, layout = build_caches("vllm_fused", torch.float16, 32, 16, 4, 64, 4, device="cuda", seed=6)
     src_buf = torch.full((64,), -1, dtype=torch.int32, device="cuda")

@@ -28,6 +28,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from kernel_device import cpu_engine_triton  # noqa: E402
 from vtoken.engine.model import LlamaModel, ModelConfig  # noqa: E402
 from vtoken.engine.runner import ModelRunner, RunnerConfig  # noqa: E402
 
@@ -35,7 +36,7 @@ LOGIT_ATOL = 1e-4
 VOCAB = 160
 PROMPT_LENS = (3, 7, 12, 17)
 NUM_NEW = 9  # 1 from the prefill + 8 decode steps
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", pytest.param("triton", marks=cpu_engine_triton))
 LAYOUTS = ("nhd", "hnd", "vllm_flash", "vllm_fused")
 
 BASE_HF = dict(

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import TINY, POLICY_CFG, EAGER_RECLAIM, prompts as _prompts
+from kernel_device import KERNEL_DEVICE
 from vtoken.engine.model import LlamaModel, ModelConfig
 from vtoken.engine.scheduler import Engine, EngineConfig
 from vtoken.errors import InvalidArgumentError
@@ -65,9 +66,10 @@ def test_vtoken_equals_naive_on_recorded_trace(model, policy, monkeypatch):
         assert eng.table.ledger.num_allocated == 0  # every finished request released its blocks
 
 
-def test_vtoken_equals_naive_triton_backend(model, monkeypatch):
+def test_vtoken_equals_naive_triton_backend(monkeypatch):
     """The same pairing through the Triton kernels (interpreter on CPU): attention, slot lists, compact_kv."""
     monkeypatch.setenv("VTOKEN_BACKEND", "triton")
+    model = LlamaModel(ModelConfig(**TINY), device=KERNEL_DEVICE)  # Triton takes CUDA tensors only on a GPU
     naive, out_naive, vt, out_vt = _paired(model, "h2o", _prompts((18, 11), seed=1), 8)
     assert [r.output for r in out_naive] == [r.output for r in out_vt]
     assert vt.summary()["relocated_tokens"] > 0

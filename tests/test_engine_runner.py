@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernel_device import cpu_engine_triton
 from vtoken.engine.model import LlamaModel, ModelConfig, ModelOutput
 from vtoken.engine.runner import ModelRunner, RunnerConfig, _Graph
 from vtoken.errors import InvalidArgumentError, InvariantViolation, UnknownRequestError
@@ -82,7 +83,7 @@ class _Oracle:
         return out.logits[0, -1]
 
 
-@pytest.mark.parametrize("backend,seed", [("torch", 0), ("triton", 1)])
+@pytest.mark.parametrize("backend,seed", [("torch", 0), pytest.param("triton", 1, marks=cpu_engine_triton)])
 def test_eviction_matches_hf_masked_recompute(backend, seed, monkeypatch):
     """Prefill, decode, evict random live tokens between steps: logits equal an HF recompute with the mask."""
     monkeypatch.setenv("VTOKEN_BACKEND", backend)

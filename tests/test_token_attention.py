@@ -27,6 +27,7 @@ import torch
 import triton
 
 from aot_helpers import AOT_ARCHS, compile_kernel, compile_module_in_fresh_process, expected_compiles
+from kernel_device import KERNEL_DEVICE
 from vtoken import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.layout import KVLayout, kv_cache_shape
@@ -41,18 +42,19 @@ LAYOUTS = ["vllm_flash", "vllm_fused", "nhd", "hnd"]  # vllm_flash: vLLM 0.32 Fl
 HEAD_CASES = [(64, 2, 1), (128, 1, 4), (256, 1, 4), (96, 2, 1)]
 UNIT_ROUNDOFF = {torch.float32: 2.0**-16, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 KEY_SCORE_TOL = dict(rtol=1e-4, atol=1e-5)
+DEV = KERNEL_DEVICE  # every tensor of these tests, oracles included (tests/kernel_device.py)
 
 
 # ---------------------------------------------------------------- helpers
 
 
-def make_cache(layout_name, num_blocks, block_size, num_kv_heads, head_dim, dtype, gen, device="cpu"):
+def make_cache(layout_name, num_blocks, block_size, num_kv_heads, head_dim, dtype, gen, device=DEV):
     shape = kv_cache_shape(layout_name, num_blocks, block_size, num_kv_heads, head_dim)
     cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
     return cache, KVLayout.from_tensor(cache, layout_name)
 
 
-def make_lists(lens, num_slots, pad_tail, rng, device="cpu"):
+def make_lists(lens, num_slots, pad_tail, rng, device=DEV):
     """Random unique slots, request r gets lens[r] of them; PAD tail of pad_tail entries."""
     slots = rng.sample(range(num_slots), sum(lens))
     idx = torch.tensor(slots + [-1] * pad_tail, dtype=torch.int32, device=device)
@@ -109,7 +111,7 @@ def test_decode_matches_oracle(dtype, layout_name, head_case):
     cache, lay = make_cache(layout_name, num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
     lens = [1, 67, 0, 23]  # odd sizes; 67 > one BLOCK_N tile; 0 = a request with no live token
     idx, ptr = make_lists(lens, lay.num_slots, pad_tail=5, rng=rng)
-    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen).to(DEV).to(dtype)
     out, ks = tri_attention(q, cache, lay, idx, ptr, return_key_scores=True)
     oracle, oracle_ks = ref_attention(q, cache, lay, idx, ptr, return_key_scores=True, compute_dtype=torch.float64)
     assert out.dtype == dtype and ks.dtype == torch.float32 and ks.shape == (idx.numel(), num_kv_heads)
@@ -126,7 +128,7 @@ def test_decode_split_matches_oracle(dtype, num_splits):
     cache, lay = make_cache("nhd", 24, 16, 2, 64, dtype, gen)
     lens = [150, 1, 0, 65, 130]  # splits that are empty, partial, and several tiles long
     idx, ptr = make_lists(lens, lay.num_slots, pad_tail=3, rng=rng)
-    q = torch.randn(len(lens), 8, 64, generator=gen).to(dtype)
+    q = torch.randn(len(lens), 8, 64, generator=gen).to(DEV).to(dtype)
     out, ks = tri_attention(q, cache, lay, idx, ptr, return_key_scores=True, num_splits=num_splits)
     one, ks_one = tri_attention(q, cache, lay, idx, ptr, return_key_scores=True, num_splits=1)
     oracle, oracle_ks = ref_attention(q, cache, lay, idx, ptr, return_key_scores=True, compute_dtype=torch.float64)
@@ -153,8 +155,8 @@ def test_prefill_matches_oracle(dtype, layout_name, head_case):
     # step, a request with nothing new, and a chunk longer than one query tile at group 1.
     reqs = [(40, 9), (13, 13), (30, 1), (7, 0), (80, 70 if group == 1 else 20)]
     idx, ptr = make_lists([r[0] for r in reqs], lay.num_slots, pad_tail=4, rng=rng)
-    q_indptr = torch.tensor([0] + torch.tensor([r[1] for r in reqs]).cumsum(0).tolist(), dtype=torch.int32)
-    q = torch.randn(int(q_indptr[-1]), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    q_indptr = torch.tensor([0] + torch.tensor([r[1] for r in reqs]).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q = torch.randn(int(q_indptr[-1]), num_kv_heads * group, head_dim, generator=gen).to(DEV).to(dtype)
     out, ks = tri_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True)
     oracle, oracle_ks = ref_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True, compute_dtype=torch.float64)
     assert_close_to_oracle(out, oracle, dtype, v_absmax(cache, lay, idx))
@@ -166,8 +168,8 @@ def test_prefill_is_causal_within_the_chunk():
     gen, rng = torch.Generator().manual_seed(5), random.Random(5)
     cache, lay = make_cache("vllm_flash", 8, 16, 1, 64, torch.float32, gen)
     idx, ptr = make_lists([20], lay.num_slots, pad_tail=0, rng=rng)
-    q_indptr = torch.tensor([0, 6], dtype=torch.int32)  # the last 6 list entries are the chunk
-    q = torch.randn(6, 2, 64, generator=gen)
+    q_indptr = torch.tensor([0, 6], dtype=torch.int32, device=DEV)  # the last 6 list entries are the chunk
+    q = torch.randn(6, 2, 64, generator=gen).to(DEV)
     before = tri_attention(q, cache, lay, idx, ptr, q_indptr)
     last = int(idx[19])
     slot_rows(cache, lay)[last // 16, last % 16] = 1e4  # the K/V of the chunk's last token
@@ -180,9 +182,10 @@ def test_decode_equals_prefill_with_one_query_per_request():
     gen, rng = torch.Generator().manual_seed(9), random.Random(9)
     cache, lay = make_cache("hnd", 12, 16, 2, 128, torch.float16, gen)
     idx, ptr = make_lists([5, 50, 17], lay.num_slots, pad_tail=2, rng=rng)
-    q = torch.randn(3, 8, 128, generator=gen).half()
+    q = torch.randn(3, 8, 128, generator=gen).to(DEV).half()
     dec, ks_dec = tri_attention(q, cache, lay, idx, ptr, return_key_scores=True)
-    pre, ks_pre = tri_attention(q, cache, lay, idx, ptr, torch.arange(4, dtype=torch.int32), return_key_scores=True)
+    pre, ks_pre = tri_attention(q, cache, lay, idx, ptr, torch.arange(4, dtype=torch.int32, device=DEV),
+                                return_key_scores=True)
     torch.testing.assert_close(dec, pre, rtol=0, atol=2e-3)  # same math, different tiling of padded rows
     torch.testing.assert_close(ks_dec, ks_pre, **KEY_SCORE_TOL)
 
@@ -202,14 +205,14 @@ def test_key_scores_sum_to_query_mass(mode):
         q_indptr, n_new = None, [1, 1, 1, 1]
     else:
         n_new = [5, 0, 12, 1]
-        q_indptr = torch.tensor([0] + torch.tensor(n_new).cumsum(0).tolist(), dtype=torch.int32)
-    q = torch.randn(sum(n_new), num_kv_heads * group, 64, generator=gen).bfloat16()
+        q_indptr = torch.tensor([0] + torch.tensor(n_new).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(n_new), num_kv_heads * group, 64, generator=gen).to(DEV).bfloat16()
     _, ks = tri_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True)
     _, oracle_ks = ref_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True, compute_dtype=torch.float64)
     for r, n in enumerate(lens):
         a, b = int(ptr[r]), int(ptr[r + 1])
         mass = (n_new[r] if n > 0 else 0) * group
-        expected = torch.full((num_kv_heads,), float(mass), dtype=torch.float64)
+        expected = torch.full((num_kv_heads,), float(mass), dtype=torch.float64, device=DEV)
         torch.testing.assert_close(ks[a:b].double().sum(0), expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(oracle_ks[a:b].sum(0), expected, rtol=1e-12, atol=1e-12)
     assert torch.equal(ks[int(ptr[-1]):], torch.zeros_like(ks[int(ptr[-1]):])), "rows past kv_indptr[-1] are 0"
@@ -226,18 +229,18 @@ def test_entries_past_indptr_end_are_ignored(dtype):
     lens = [12, 31]
     slots = rng.sample(range(lay.num_slots), sum(lens) + 8)
     listed, stale = slots[: sum(lens)], slots[sum(lens) :]
-    ptr = torch.tensor([0, 12, 43], dtype=torch.int32)
-    q = torch.randn(2, 4, 64, generator=gen).to(dtype)
-    pad = torch.tensor(listed + [-1] * 8, dtype=torch.int32)
+    ptr = torch.tensor([0, 12, 43], dtype=torch.int32, device=DEV)
+    q = torch.randn(2, 4, 64, generator=gen).to(DEV).to(dtype)
+    pad = torch.tensor(listed + [-1] * 8, dtype=torch.int32, device=DEV)
     out_pad, ks_pad = tri_attention(q, cache, lay, pad, ptr, return_key_scores=True)
     view = slot_rows(cache, lay)
     for s in stale:
         view[s // 16, s % 16] = float("nan")
-    stale_tail = torch.tensor(listed + stale, dtype=torch.int32)
+    stale_tail = torch.tensor(listed + stale, dtype=torch.int32, device=DEV)
     out_stale, ks_stale = tri_attention(q, cache, lay, stale_tail, ptr, return_key_scores=True)
     assert torch.equal(out_pad, out_stale)
     assert torch.equal(ks_pad, ks_stale)
-    assert torch.equal(ks_stale[43:], torch.zeros(8, 2))
+    assert torch.equal(ks_stale[43:], torch.zeros(8, 2, device=DEV))
 
 
 def test_pad_inside_a_request_is_masked():
@@ -245,17 +248,17 @@ def test_pad_inside_a_request_is_masked():
     gen, rng = torch.Generator().manual_seed(12), random.Random(12)
     cache, lay = make_cache("vllm_flash", 10, 16, 1, 64, torch.float32, gen)
     slots = rng.sample(range(lay.num_slots), 30)
-    with_pad = torch.tensor(slots[:10] + [-1] + slots[10:20] + [-1, -1] + slots[20:], dtype=torch.int32)
-    ptr_pad = torch.tensor([0, 11, 33], dtype=torch.int32)
-    packed = torch.tensor(slots, dtype=torch.int32)
-    ptr = torch.tensor([0, 10, 30], dtype=torch.int32)
-    q = torch.randn(2, 2, 64, generator=gen)
+    with_pad = torch.tensor(slots[:10] + [-1] + slots[10:20] + [-1, -1] + slots[20:], dtype=torch.int32, device=DEV)
+    ptr_pad = torch.tensor([0, 11, 33], dtype=torch.int32, device=DEV)
+    packed = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    ptr = torch.tensor([0, 10, 30], dtype=torch.int32, device=DEV)
+    q = torch.randn(2, 2, 64, generator=gen).to(DEV)
     out_pad, ks_pad = tri_attention(q, cache, lay, with_pad, ptr_pad, return_key_scores=True)
     out, ks = tri_attention(q, cache, lay, packed, ptr, return_key_scores=True)
     torch.testing.assert_close(out_pad, out, rtol=1e-6, atol=1e-6)
     keep = with_pad >= 0
     torch.testing.assert_close(ks_pad[keep], ks, **KEY_SCORE_TOL)
-    assert torch.equal(ks_pad[~keep], torch.zeros(3, 1))
+    assert torch.equal(ks_pad[~keep], torch.zeros(3, 1, device=DEV))
     ref_pad = ref_attention(q, cache, lay, with_pad, ptr_pad, compute_dtype=torch.float64)
     torch.testing.assert_close(out_pad.double(), ref_pad, rtol=2e-5, atol=2e-5)
 
@@ -268,8 +271,8 @@ def test_dead_tokens_never_influence_the_output(mode, poison):
     cache, lay = make_cache("vllm_fused", 8, 16, 2, 64, torch.float16, gen)
     # Live tokens scattered over every block, so each block holds dead and live tokens.
     idx, ptr = make_lists([20, 37], lay.num_slots, pad_tail=4, rng=rng)
-    q_indptr = None if mode == "decode" else torch.tensor([0, 4, 11], dtype=torch.int32)
-    q = torch.randn(2 if mode == "decode" else 11, 8, 64, generator=gen).half()
+    q_indptr = None if mode == "decode" else torch.tensor([0, 4, 11], dtype=torch.int32, device=DEV)
+    q = torch.randn(2 if mode == "decode" else 11, 8, 64, generator=gen).to(DEV).half()
     clean, ks_clean = tri_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True)
     assert poison_unlisted(cache, lay, idx, poison) == lay.num_slots - 57
     dirty, ks_dirty = tri_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True)
@@ -298,8 +301,8 @@ def _nonfinite_case(mode, where, dtype):
     cache, lay = make_cache("nhd", 8, 16, NF_KV_HEADS, NF_DIM, dtype, gen)
     n_new = [1, 1, 1] if mode == "decode" else [4, 6, 0]
     idx, ptr = make_lists(NF_LENS, lay.num_slots, pad_tail=3, rng=rng)
-    q_indptr = None if mode == "decode" else torch.tensor([0, 4, 10, 10], dtype=torch.int32)
-    q = torch.randn(sum(n_new), NF_KV_HEADS * NF_GROUP, NF_DIM, generator=gen).to(dtype)
+    q_indptr = None if mode == "decode" else torch.tensor([0, 4, 10, 10], dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(n_new), NF_KV_HEADS * NF_GROUP, NF_DIM, generator=gen).to(DEV).to(dtype)
     if where == "q":
         q[sum(n_new[:2]) - 1, NF_HEAD * NF_GROUP + 1, 5] = float("nan")  # request 1's last query
         if mode == "decode":
@@ -313,8 +316,8 @@ def _nonfinite_case(mode, where, dtype):
 
 def _nonfinite_oracle(where, n_new, num_q_heads, nnz_max):
     """Boolean masks (out rows [num_q, Hq], key scores [nnz_max, Hkv]) that must be NaN."""
-    out = torch.zeros(sum(n_new), num_q_heads, dtype=torch.bool)
-    ks = torch.zeros(nnz_max, NF_KV_HEADS, dtype=torch.bool)
+    out = torch.zeros(sum(n_new), num_q_heads, dtype=torch.bool, device=DEV)
+    ks = torch.zeros(nnz_max, NF_KV_HEADS, dtype=torch.bool, device=DEV)
     for r, n_live in enumerate(NF_LENS):
         q0, k0 = sum(n_new[:r]), sum(NF_LENS[:r])
         for i in range(n_new[r]):
@@ -350,11 +353,11 @@ def test_nonfinite_inputs_propagate_the_same_in_every_backend(mode, where, dtype
                                       compute_dtype=torch.float64)
     results["oracle"] = (oracle, oracle_ks)
     # score_out: an entry is NaN exactly when one of its key's kv-head scores is.
-    kv_pos = torch.arange(idx.numel(), dtype=torch.int32)
-    starts = torch.zeros(len(NF_LENS), dtype=torch.int64)
+    kv_pos = torch.arange(idx.numel(), dtype=torch.int32, device=DEV)
+    starts = torch.zeros(len(NF_LENS), dtype=torch.int64, device=DEV)
     for backend in ("triton", "torch"):
         monkeypatch.setenv("VTOKEN_BACKEND", backend)
-        buf = torch.zeros(idx.numel())
+        buf = torch.zeros(idx.numel(), device=DEV)
         ops.token_attention(q, cache, lay, idx, ptr, q_indptr, score_out=buf, mirror_starts=starts, kv_pos=kv_pos)
         assert torch.equal(torch.isnan(buf), want_ks.any(1)), backend
     vmax = float(torch.nan_to_num(slot_rows(cache, lay)[..., 1, :, :].float(), nan=0, posinf=0).abs().max())
@@ -403,16 +406,16 @@ def make_mirror(lens, idx, ptr, rng, *, extra_reqs=2):
         cursor += seg + 5
     pos += [-1] * (idx.numel() - len(pos))
     size = cursor + 4
-    touched = torch.zeros(size, dtype=torch.bool)
+    touched = torch.zeros(size, dtype=torch.bool, device=DEV)
     touched[touched_pos] = True
-    mirror_starts = torch.tensor(starts + [10**6] * extra_reqs, dtype=torch.int64)
-    return mirror_starts, torch.tensor(pos, dtype=torch.int32), touched, size
+    mirror_starts = torch.tensor(starts + [10**6] * extra_reqs, dtype=torch.int64, device=DEV)
+    return mirror_starts, torch.tensor(pos, dtype=torch.int32, device=DEV), touched, size
 
 
 def poisoned_scores(touched, gen):
     """-0.0 everywhere untouched, random values where a key lands."""
-    buf = torch.full((touched.numel(),), -0.0)
-    buf[touched] = torch.rand(int(touched.sum()), generator=gen) * 10
+    buf = torch.full((touched.numel(),), -0.0, device=DEV)
+    buf[touched] = torch.rand(int(touched.sum()), generator=gen).to(DEV) * 10
     return buf
 
 
@@ -442,12 +445,12 @@ def test_score_out_matches_reference(dtype, mode, group):
     lens = [1, 70, 0, 23]  # odd sizes; 70 > one BLOCK_N tile; an empty request
     slots = rng.sample(range(lay.num_slots), sum(lens))
     slots[30] = -1  # a PAD inside request 1's range
-    idx = torch.tensor(slots + [-1] * 5, dtype=torch.int32)
-    ptr = torch.tensor([0, 1, 71, 71, 94], dtype=torch.int32)
+    idx = torch.tensor(slots + [-1] * 5, dtype=torch.int32, device=DEV)
+    ptr = torch.tensor([0, 1, 71, 71, 94], dtype=torch.int32, device=DEV)
     q_indptr, n_q = None, len(lens)
     if mode == "prefill":
-        q_indptr, n_q = torch.tensor([0, 1, 10, 10, 23], dtype=torch.int32), 23
-    q = torch.randn(n_q, num_kv_heads * group, 64, generator=gen).to(dtype)
+        q_indptr, n_q = torch.tensor([0, 1, 10, 10, 23], dtype=torch.int32, device=DEV), 23
+    q = torch.randn(n_q, num_kv_heads * group, 64, generator=gen).to(DEV).to(dtype)
     starts, pos, touched, size = make_mirror(lens, idx, ptr, rng)
     before = poisoned_scores(touched, gen)
     _, oracle_ks = ref_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True, compute_dtype=torch.float64)
@@ -477,25 +480,25 @@ def test_score_out_over_layers_is_the_sum_of_single_calls(mode, monkeypatch):
     lay = layers[0][1]
     lens = [40, 3, 66]
     idx, ptr = make_lists(lens, lay.num_slots, pad_tail=4, rng=rng)
-    q_indptr, n_q = (None, 3) if mode == "decode" else (torch.tensor([0, 5, 8, 20], dtype=torch.int32), 20)
-    qs = [torch.randn(n_q, 8, 64, generator=gen).half() for _ in layers]
+    q_indptr, n_q = (None, 3) if mode == "decode" else (torch.tensor([0, 5, 8, 20], dtype=torch.int32, device=DEV), 20)
+    qs = [torch.randn(n_q, 8, 64, generator=gen).to(DEV).half() for _ in layers]
     starts, pos, touched, size = make_mirror(lens, idx, ptr, rng)
     for backend in ("triton", "torch"):
         monkeypatch.setenv("VTOKEN_BACKEND", backend)
         step = ops.plan_token_attention(lay, idx, ptr, q_indptr, num_q_heads=8, dtype=torch.float16,
                                         num_q_tokens=n_q, scores=True, mirror_starts=starts, kv_pos=pos)
-        acc = torch.full((size,), -0.0)
+        acc = torch.full((size,), -0.0, device=DEV)
         acc[touched] = 0.0
         singles, outs = [], []
         for q, (cache, _) in zip(qs, layers):
             outs.append(step.run(q, cache, score_out=acc))
-            one = torch.zeros(size)
+            one = torch.zeros(size, device=DEV)
             o1, ks = ops.token_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True,
                                          score_out=one, mirror_starts=starts, kv_pos=pos)
             assert torch.equal(o1, outs[-1]), backend
             singles.append(one)
             torch.testing.assert_close(one[starts[1] + pos[40:43].long()], ks[40:43].sum(1), rtol=1e-6, atol=1e-6)
-        want = torch.zeros(size)
+        want = torch.zeros(size, device=DEV)
         for one in singles:
             want += one  # the same fp32 adds in the same order as the accumulating runs
         assert_untouched_bits(acc, touched)
@@ -539,11 +542,11 @@ def test_plan_runs_with_lists_overwritten_in_place():
     gen, rng = torch.Generator().manual_seed(52), random.Random(52)
     cache, lay = make_cache("hnd", 10, 16, 2, 64, torch.bfloat16, gen)
     nnz_max = 90
-    idx = torch.full((nnz_max,), -1, dtype=torch.int32)
-    ptr = torch.zeros(4, dtype=torch.int32)
-    starts = torch.tensor([0, 100, 200], dtype=torch.int64)
-    pos = torch.full((nnz_max,), -1, dtype=torch.int32)
-    q = torch.randn(3, 8, 64, generator=gen).bfloat16()
+    idx = torch.full((nnz_max,), -1, dtype=torch.int32, device=DEV)
+    ptr = torch.zeros(4, dtype=torch.int32, device=DEV)
+    starts = torch.tensor([0, 100, 200], dtype=torch.int64, device=DEV)
+    pos = torch.full((nnz_max,), -1, dtype=torch.int32, device=DEV)
+    q = torch.randn(3, 8, 64, generator=gen).to(DEV).bfloat16()
     step = ops.plan_token_attention(lay, idx, ptr, num_q_heads=8, dtype=torch.bfloat16, scores=True,
                                     mirror_starts=starts, kv_pos=pos)
     out = torch.empty_like(q)
@@ -551,15 +554,16 @@ def test_plan_runs_with_lists_overwritten_in_place():
         i, p = make_lists(lens, lay.num_slots, pad_tail=nnz_max - sum(lens), rng=rng)
         idx.copy_(i)
         ptr.copy_(p)
-        pos.copy_(torch.tensor([k for n in lens for k in range(n)] + [-1] * (nnz_max - sum(lens)), dtype=torch.int32))
-        buf, fresh_buf = torch.zeros(300), torch.zeros(300)
+        pos.copy_(torch.tensor([k for n in lens for k in range(n)] + [-1] * (nnz_max - sum(lens)), dtype=torch.int32,
+                               device=DEV))
+        buf, fresh_buf = torch.zeros(300, device=DEV), torch.zeros(300, device=DEV)
         got = step.run(q, cache, out=out, score_out=buf)
         fresh = ops.token_attention(q, cache, lay, idx.clone(), ptr.clone(), score_out=fresh_buf,
                                     mirror_starts=starts, kv_pos=pos.clone())
         assert got is out and torch.equal(out, fresh)
         assert torch.equal(buf, fresh_buf)
         for r, n in enumerate(lens):
-            torch.testing.assert_close(buf[100 * r: 100 * r + n].sum(), torch.tensor(8.0 if n else 0.0),
+            torch.testing.assert_close(buf[100 * r: 100 * r + n].sum(), torch.tensor(8.0 if n else 0.0, device=DEV),
                                        rtol=1e-5, atol=1e-5)
 
 
@@ -571,16 +575,16 @@ def test_out_scale_and_strided_q():
     gen, rng = torch.Generator().manual_seed(21), random.Random(21)
     cache, lay = make_cache("nhd", 6, 16, 2, 64, torch.float32, gen)
     idx, ptr = make_lists([9, 40], lay.num_slots, pad_tail=0, rng=rng)
-    qkv = torch.randn(2, 12, 64, generator=gen)
+    qkv = torch.randn(2, 12, 64, generator=gen).to(DEV)
     q = qkv[:, :4]  # stride(0) = 12 * 64
-    out_buf = torch.full((2, 8, 64), float("nan"))
+    out_buf = torch.full((2, 8, 64), float("nan"), device=DEV)
     out = out_buf[:, ::2]  # a strided output view
     got = tri_attention(q, cache, lay, idx, ptr, scale=0.3, out=out)
     assert got is out
     oracle = ref_attention(q.contiguous(), cache, lay, idx, ptr, scale=0.3, compute_dtype=torch.float64)
     torch.testing.assert_close(out.double(), oracle, rtol=2e-5, atol=2e-5)
     assert torch.isnan(out_buf[:, 1::2]).all(), "only the out view is written"
-    ref_out = torch.empty(2, 4, 64)
+    ref_out = torch.empty(2, 4, 64, device=DEV)
     assert ref_attention(q, cache, lay, idx, ptr, scale=0.3, out=ref_out) is ref_out
 
 
@@ -588,7 +592,7 @@ def test_ops_dispatch(monkeypatch):
     gen, rng = torch.Generator().manual_seed(22), random.Random(22)
     cache, lay = make_cache("vllm_flash", 6, 16, 2, 64, torch.float32, gen)
     idx, ptr = make_lists([9, 40], lay.num_slots, pad_tail=3, rng=rng)
-    q = torch.randn(2, 4, 64, generator=gen)
+    q = torch.randn(2, 4, 64, generator=gen).to(DEV)
     results = {}
     for backend in ("triton", "torch"):
         monkeypatch.setenv("VTOKEN_BACKEND", backend)
@@ -606,20 +610,20 @@ def test_ops_dispatch(monkeypatch):
 def _valid_args():
     gen = torch.Generator().manual_seed(0)
     cache, lay = make_cache("nhd", 4, 16, 2, 64, torch.float16, gen)
-    q = torch.randn(2, 4, 64, generator=gen).half()
-    idx = torch.tensor([1, 2, 3, 40, -1], dtype=torch.int32)
-    ptr = torch.tensor([0, 3, 4], dtype=torch.int32)
+    q = torch.randn(2, 4, 64, generator=gen).to(DEV).half()
+    idx = torch.tensor([1, 2, 3, 40, -1], dtype=torch.int32, device=DEV)
+    ptr = torch.tensor([0, 3, 4], dtype=torch.int32, device=DEV)
     return dict(q=q, kv_cache=cache, layout=lay, kv_indices=idx, kv_indptr=ptr)
 
 
 def _mla_layout():
-    t = torch.zeros(kv_cache_shape("mla", 4, 16, 1, 64), dtype=torch.float16)
+    t = torch.zeros(kv_cache_shape("mla", 4, 16, 1, 64), dtype=torch.float16, device=DEV)
     return KVLayout.from_tensor(t, "mla")
 
 
 def _hnd_layout():
     """An hnd layout of the same sizes as _valid_args's nhd cache: same elements, another order."""
-    t = torch.zeros(kv_cache_shape("hnd", 4, 16, 2, 64), dtype=torch.float16)
+    t = torch.zeros(kv_cache_shape("hnd", 4, 16, 2, 64), dtype=torch.float16, device=DEV)
     return KVLayout.from_tensor(t, "hnd")
 
 
@@ -666,8 +670,8 @@ BAD_ARGS = [
     ("pos-duplicate", dict(score_out=torch.zeros(8), mirror_starts="ok", kv_pos=torch.tensor([0, 1, 1, 0, 0], dtype=torch.int32)),
      InvalidArgumentError, "kv_pos: expected unique destinations"),
 ]
-VALID_STARTS = torch.tensor([0, 3], dtype=torch.int64)  # request 0 at 0..2, request 1 at 3
-VALID_POS = torch.tensor([0, 1, 2, 0, -1], dtype=torch.int32)
+VALID_STARTS = torch.tensor([0, 3], dtype=torch.int64, device=DEV)  # request 0 at 0..2, request 1 at 3
+VALID_POS = torch.tensor([0, 1, 2, 0, -1], dtype=torch.int32, device=DEV)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -691,11 +695,13 @@ def test_bad_arguments_raise_typed_errors(case, backend, monkeypatch):
             v = VALID_STARTS
         elif k == "kv_pos" and isinstance(v, str):
             v = VALID_POS
+        elif isinstance(v, torch.Tensor):
+            v = v.to(DEV)  # BAD_ARGS is built at import, on the CPU
         if k in ("q_indptr", "scale", "out", "score_out", "mirror_starts", "kv_pos"):
             kwargs[k] = v
         else:
             args[k] = v
-    guard = torch.full((2, 4, 64), 7.0, dtype=torch.float16)
+    guard = torch.full((2, 4, 64), 7.0, dtype=torch.float16, device=DEV)
     if "out" not in kwargs:
         kwargs["out"] = guard
     with pytest.raises(err, match=match):
@@ -710,15 +716,16 @@ def test_plan_run_checks_the_layer_against_the_plan():
     out = step.run(a["q"], a["kv_cache"])
     assert torch.equal(out, ops.token_attention(a["q"], a["kv_cache"], a["layout"], a["kv_indices"], a["kv_indptr"]))
     with pytest.raises(InvalidTypeError, match=r"q: expected shape \(2, 4, 64\) as planned"):
-        step.run(torch.zeros(2, 2, 64, dtype=torch.float16), a["kv_cache"])
+        step.run(torch.zeros(2, 2, 64, dtype=torch.float16, device=DEV), a["kv_cache"])
     with pytest.raises(InvalidArgumentError, match="expected a plan built with scores=True"):
         step.run(a["q"], a["kv_cache"], return_key_scores=True)
     with pytest.raises(InvalidArgumentError, match="score_out: expected mirror_starts and kv_pos"):
-        step.run(a["q"], a["kv_cache"], score_out=torch.zeros(4))
+        step.run(a["q"], a["kv_cache"], score_out=torch.zeros(4, device=DEV))
     with pytest.raises(InvalidTypeError, match="kv_cache: expected dtype"):
         step.run(a["q"], a["kv_cache"].float())
     with pytest.raises(InvalidArgumentError, match="num_q_tokens: expected an int with q_indptr"):
-        ops.plan_token_attention(a["layout"], a["kv_indices"], a["kv_indptr"], torch.tensor([0, 1, 2], dtype=torch.int32),
+        ops.plan_token_attention(a["layout"], a["kv_indices"], a["kv_indptr"],
+                                 torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV),
                                  num_q_heads=4, dtype=torch.float16)
     with pytest.raises(InvalidArgumentError, match="q: expected num_q_heads divisible"):
         ops.plan_token_attention(a["layout"], a["kv_indices"], a["kv_indptr"], num_q_heads=3, dtype=torch.float16)
@@ -732,10 +739,10 @@ def test_num_splits_argument_is_validated():
 
 def test_empty_batch():
     a = _valid_args()
-    q = torch.zeros(0, 4, 64, dtype=torch.float16)
-    ptr = torch.zeros(1, dtype=torch.int32)
+    q = torch.zeros(0, 4, 64, dtype=torch.float16, device=DEV)
+    ptr = torch.zeros(1, dtype=torch.int32, device=DEV)
     out, ks = tri_attention(q, a["kv_cache"], a["layout"], a["kv_indices"], ptr, return_key_scores=True)
-    assert out.shape == (0, 4, 64) and torch.equal(ks, torch.zeros(5, 2))
+    assert out.shape == (0, 4, 64) and torch.equal(ks, torch.zeros(5, 2, device=DEV))
 
 
 # ---------------------------------------------------------------- AOT compile (sm_90, sm_80)
@@ -892,12 +899,12 @@ def test_gpu_cuda_graph_replays_with_overwritten_lists():
 def test_a_planned_run_checks_where_scores_go_like_the_one_shot_op():
     """Out-of-range or repeated score destinations are refused per run, score_out untouched (CPU tensors)."""
     a = _valid_args()
-    starts = torch.tensor([0, 10], dtype=torch.int64)
-    for kv_pos, match in ((torch.tensor([0, 1, 1, 0, -1], dtype=torch.int32), "unique destinations"),
-                          (torch.tensor([0, 1, 2, 9, -1], dtype=torch.int32), r"in \[0, len\(score_out\)")):
+    starts = torch.tensor([0, 10], dtype=torch.int64, device=DEV)
+    for kv_pos, match in ((torch.tensor([0, 1, 1, 0, -1], dtype=torch.int32, device=DEV), "unique destinations"),
+                          (torch.tensor([0, 1, 2, 9, -1], dtype=torch.int32, device=DEV), r"in \[0, len\(score_out\)")):
         step = ops.plan_token_attention(a["layout"], a["kv_indices"], a["kv_indptr"], num_q_heads=4,
                                         dtype=torch.float16, scores=True, mirror_starts=starts, kv_pos=kv_pos)
-        score_out = torch.full((16,), -0.0)
+        score_out = torch.full((16,), -0.0, device=DEV)
         before = score_out.clone()
         with pytest.raises(InvalidArgumentError, match=match):
             step.run(a["q"], a["kv_cache"], score_out=score_out)

@@ -87,3 +87,11 @@ def has_duplicates(a: np.ndarray) -> bool:
         return False
     s = np.sort(a)
     return bool((s[1:] == s[:-1]).any())
+
+
+class BackendUnavailableError(InvalidArgumentError):
+    """``VTOKEN_BACKEND`` forces a backend this machine cannot run; the message names the cause."""
+
+
+class UnsupportedVersionError(VTokenError, ImportError):
+    """An installed dependency (torch, Triton) is older than vtoken supports (:mod:`vtoken.versions`)."""

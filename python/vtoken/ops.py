@@ -3,8 +3,12 @@
 Order of preference: the compiled extension ``vtoken._C`` (CUDA kernels on GPU
 tensors, C++ kernels on CPU tensors) > Triton (on CUDA, or on CPU under
 ``TRITON_INTERPRET=1``) > the torch reference in :mod:`vtoken.reference`.
+When the extension cannot run on a GPU (no kernel image for it, or the CUDA
+runtime's query fails, e.g. a CUDA 13 runtime under an older driver), one
+warning per device names the cause and its ops fall back to Triton.
 ``VTOKEN_BACKEND=cuda|triton|torch`` forces one; a forced backend that is not
-available raises instead of silently falling back.
+available raises :class:`~vtoken.errors.BackendUnavailableError` naming the
+cause instead of silently falling back. Supported versions: :mod:`vtoken.versions`.
 
 Runtime modules call these functions, never a backend directly. Each op
 checks its argument contract (:mod:`vtoken_kernels.contracts`) once, then
@@ -19,8 +23,11 @@ import warnings
 
 import torch
 
-from vtoken.errors import InvalidArgumentError, check_int, check_tensor
+from vtoken import versions
+from vtoken.errors import BackendUnavailableError, InvalidArgumentError, check_int, check_tensor
 from vtoken_kernels import contracts
+
+versions.check_torch(torch.__version__)
 
 BACKENDS = ("cuda", "triton", "torch")
 
@@ -41,36 +48,52 @@ def has_extension_op(name: str) -> bool:
 
 def extension_runs_on(device: torch.device) -> bool:
     """Whether ``vtoken._C``'s ops can run on ``device``: always on CPU; on a GPU, when it holds code for it."""
-    if device.type != "cuda":
-        return True
-    return _extension_has_cuda_image(device.index if device.index is not None else torch.cuda.current_device())
+    return _extension_cause(device) is None
+
+
+def _extension_cause(device: torch.device) -> str | None:
+    """Why ``vtoken._C``'s ops cannot run on ``device``, or ``None`` when they can."""
+    if device.type != "cuda" or not has_extension_op("kernel_image_status"):
+        return None  # the CPU; or a vtoken._C built before the query existed: dispatch as it always did
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False"
+    return _extension_cuda_cause(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _extension_has_cuda_image(index: int) -> bool:
+def _extension_cuda_cause(index: int) -> str | None:
     """Asks the CUDA runtime once per device (see :func:`extension_runs_on`).
 
     NOTE: the extension carries SASS for the archs it was built for plus
     compute_90 PTX (csrc/build_ext.py); on a GPU it has no code for, its ops
-    load and then fail at launch with "no kernel image", so dispatch asks up
-    front. Only with CUDA available; no exception is caught to find out.
+    load and then fail at launch with "no kernel image", and under a driver
+    older than its CUDA runtime every CUDA call fails, so dispatch asks up
+    front. ``vtoken::kernel_image_status`` reports either as a cause string
+    instead of raising: no exception is caught to find out.
     """
-    if not has_extension_op("has_cuda_kernel_image"):
-        return True  # a vtoken._C built before the query existed: dispatch as it always did
-    return torch.cuda.is_available() and bool(torch.ops.vtoken.has_cuda_kernel_image(index))
+    ok, cause = torch.ops.vtoken.kernel_image_status(index)
+    return None if ok else cause
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_no_kernel_image(op: str, device: str) -> None:
-    """One line per (op, device) when dispatch skips the extension op."""
-    warnings.warn(f"vtoken: vtoken._C has no kernel image for {device}; {op} falls back to Triton "
-                  f"(rebuild with VTOKEN_NVCC_GENCODE for this GPU)", RuntimeWarning, stacklevel=3)
+def _warn_extension_skipped(device: str, cause: str) -> None:
+    """One warning per device (and cause) when dispatch skips the extension's CUDA kernels."""
+    warnings.warn(f"vtoken: vtoken._C's CUDA kernels cannot run on {device}: {cause}; its ops fall back to "
+                  "Triton (VTOKEN_BACKEND forces a backend)", RuntimeWarning, stacklevel=3)
 
 
-def _triton_usable(device: torch.device) -> bool:
-    if device.type == "cuda":
-        return True
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def _triton_cause(device: torch.device) -> str | None:
+    """Why Triton cannot run on ``device``, or ``None`` when it can."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "Triton needs CUDA or TRITON_INTERPRET=1"
+    return versions.installed_triton_problem()
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_triton_skipped(cause: str) -> None:
+    """One warning when a GPU op skips Triton for the torch reference (a CPU tensor without interpreter is routine)."""
+    warnings.warn(f"vtoken: the Triton backend is unavailable: {cause}; ops fall back to the torch reference",
+                  RuntimeWarning, stacklevel=3)
 
 
 def select_backend(op: str, device: torch.device, *, has_cuda_impl: bool = True) -> str:
@@ -80,19 +103,22 @@ def select_backend(op: str, device: torch.device, *, has_cuda_impl: bool = True)
         if forced not in BACKENDS:
             raise InvalidArgumentError(f"VTOKEN_BACKEND: expected one of {BACKENDS}, got {forced!r}")
         if forced == "cuda" and not (has_cuda_impl and has_extension_op(op)):
-            raise InvalidArgumentError(f"VTOKEN_BACKEND=cuda: the extension op vtoken::{op} is not available")
-        if forced == "cuda" and not extension_runs_on(device):
-            raise InvalidArgumentError(f"VTOKEN_BACKEND=cuda: expected a vtoken._C with code for {device}'s GPU, "
-                                       "got one with no kernel image for it")
-        if forced == "triton" and not _triton_usable(device):
-            raise InvalidArgumentError("VTOKEN_BACKEND=triton: Triton needs CUDA or TRITON_INTERPRET=1")
+            raise BackendUnavailableError(f"VTOKEN_BACKEND=cuda: the extension op vtoken::{op} is not available")
+        if forced == "cuda" and (cause := _extension_cause(device)) is not None:
+            raise BackendUnavailableError(f"VTOKEN_BACKEND=cuda: vtoken._C cannot run on {device}: {cause}")
+        if forced == "triton" and (cause := _triton_cause(device)) is not None:
+            raise BackendUnavailableError(f"VTOKEN_BACKEND=triton: {cause}")
         return forced
     if has_cuda_impl and has_extension_op(op):
-        if extension_runs_on(device):
+        cause = _extension_cause(device)
+        if cause is None:
             return "cuda"
-        _warn_no_kernel_image(op, str(device))
-    if _triton_usable(device):
+        _warn_extension_skipped(str(device), cause)
+    cause = _triton_cause(device)
+    if cause is None:
         return "triton"
+    if device.type == "cuda":
+        _warn_triton_skipped(cause)
     return "torch"
 
 
