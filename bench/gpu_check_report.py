@@ -107,8 +107,8 @@ def _sanitizer(work: str, tool: str):
             text = f.read()
     except OSError:
         return None, None
-    m = re.search(r"ERROR SUMMARY: (\d+) error", text) if tool == "memcheck" else \
-        re.search(r"RACECHECK SUMMARY: (\d+) hazard", text)
+    m = (re.search(r"RACECHECK SUMMARY: (\d+) hazard", text) if tool == "racecheck" else None) or \
+        re.search(r"ERROR SUMMARY: (\d+) error", text)
     launches = re.search(r"(\d+)/(\d+) launches match", text)
     return (int(m.group(1)) if m else None), (f"{launches.group(1)}/{launches.group(2)}" if launches else None)
 
