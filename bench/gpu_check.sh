@@ -19,19 +19,21 @@
 #   step                estimate  cap   what
 #   build                  60 s   150   vtoken._C with nvcc for the local arch only (sm_90 on an H200), MAX_JOBS=nproc
 #   pytest_suite          140 s   160   the whole suite as CI runs it (CUDA hidden, Triton interpreter, -m "not gpu"),
-#                                       pytest-xdist -n 10, IN THE BACKGROUND of the next three steps
-#   pytest_gpu             50 s   100   -m gpu: kernels vs their oracles on CUDA tensors, CUDA graphs,
-#                                       tests/test_no_host_sync.py under sync debug mode "error",
-#                                       tests/test_device_policies.py's cuda cases vs the numpy oracles; -n 4
-#   sanitize_memcheck      45 s    60   compute-sanitizer memcheck over bench/sanitize_kernels.py (every CUDA
-#   sanitize_racecheck     45 s    60   and Triton kernel once at small sizes, checked); then racecheck
+#                                       pytest-xdist -n 9, IN THE BACKGROUND of the next three steps
+#   pytest_gpu             70 s   120   -m gpu: the kernels vs their oracles on CUDA tensors (token attention's
+#                                       decode / prefill matrices too), CUDA graphs, tests/test_no_host_sync.py
+#                                       under sync debug mode "error", tests/test_device_policies.py's cuda
+#                                       cases vs the numpy oracles; -n 6
+#   sanitize_memcheck      45 s    60   compute-sanitizer memcheck over bench/sanitize_kernels.py (every CUDA and
+#                                       Triton kernel once at small sizes, each checked against its reference)
+#   sanitize_racecheck     45 s    60   the same under racecheck, IN THE BACKGROUND of memcheck
 #   bench_compact_kv       25 s    45   GB/s as a fraction of a D2D copy measured in the same run
 #   bench_build_slot_lists 15 s    30   256 requests x 4K tokens (goal <= 10 us)
 #   bench_token_attention  25 s    45   --scores-only: key scores on / off, time ratio
 #   bench_decision_loop    40 s    60   --sizes 4096,16384: eager and CUDA-graph decision loop
 #   demo                   30 s    60   SmolLM2-135M on the GPU, naive == vtoken token for token (see below)
 #   report                  5 s         the JSON, its validation, the table
-#   total                 ~345 s        5 s of machine info + build + max(suite 140, 50 + 45 + 45) + the rest
+#   total                 ~345 s        5 s of machine info + build + max(suite 140, 70 + 45) + the rest
 #
 # The demo needs the SmolLM2 checkpoint offline (the GPU machine has no network, and the 93 MB
 # package is larger than what a device call carries): $VTOKEN_GPU_CHECK_MODEL (a Hugging Face
@@ -71,8 +73,8 @@ export VTOKEN_BENCH_RESULTS="$WORK" VTOKEN_GPU_CHECK_ACTIVE=1 # the suite's test
 export PYTHONPATH="$PWD/python:$PWD:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"
 T0=$SECONDS
 
-# Minimum seconds of each step, in order: a step reserves the minimums of the steps after it.
-ORDER=(build:40 pytest_gpu:30 sanitize_memcheck:20 sanitize_racecheck:20 bench_compact_kv:15
+# Minimum seconds of each foreground step, in order: a step reserves the minimums of the steps after it.
+ORDER=(build:40 pytest_gpu:30 sanitize_memcheck:20 bench_compact_kv:15
        bench_build_slot_lists:10 bench_token_attention:15 bench_decision_loop:20 demo:20)
 reserve_after() { # reserve_after NAME: the minimums of the foreground steps after NAME
   local s=0 seen=0 e
@@ -119,6 +121,25 @@ step() { # step NAME CAP MODE CMD...: run CMD in the foreground under its limit,
   finish "$name" "$rc" "$limit" "$t" "$mode"
   return "$rc"
 }
+declare -A BG_PID BG_T BG_LIMIT BG_MODE
+bg_start() { # bg_start NAME CAP RESERVE MODE CMD...: run CMD in the background under its limit, log to $WORK/NAME.log
+  local name=$1 cap=$2 mode=$4 limit
+  limit=$(limit_for "$cap" "$3")
+  shift 4
+  if ((limit < 10)); then
+    record "$name" over_budget 0 "$limit" "" "the shared budget of ${BUDGET} s was spent before this step" "$mode"
+    return 1
+  fi
+  echo "=== $name (background, limit ${limit} s${mode:+; $mode}) ==="
+  BG_T[$name]=$SECONDS BG_LIMIT[$name]=$limit BG_MODE[$name]=$mode
+  timeout -k 5 "$limit" "$@" >"$WORK/$name.log" 2>&1 &
+  BG_PID[$name]=$!
+}
+bg_join() { # bg_join NAME: wait for a background step and record it
+  [ -n "${BG_PID[$1]:-}" ] || return 0
+  wait "${BG_PID[$1]}"
+  finish "$1" $? "${BG_LIMIT[$1]}" "${BG_T[$1]}" "${BG_MODE[$1]}"
+}
 pytest_args=(-q -rfE -p no:cacheprovider -p pytest_counts)
 XDIST=0
 "$PY" -c "import xdist" 2>/dev/null && XDIST=1
@@ -145,36 +166,30 @@ import importlib, vtoken.ops as o
 print('vtoken._C:', importlib.import_module('vtoken._C').__file__ if o.extension_loaded() else 'NOT LOADED (Triton / torch fallbacks)')"
 
 # 2. The whole suite as CI runs it, in the background (CPU only: it overlaps the GPU steps 3-4).
-SUITE_PID=
+# Background steps end before the timed benchmarks (their load would skew them): they reserve the
+# minimums of the steps after sanitize_memcheck.
+BG_RESERVE=$(reserve_after sanitize_memcheck)
 if ((DRY)); then
   SUITE_MODE="dry run: collected and counted, not run (--collect-only)"
   suite_cmd=(--collect-only tests)
 else
-  SUITE_MODE="CUDA hidden, Triton interpreter, -m 'not gpu'$( ((XDIST)) && echo ', xdist -n 10' || echo ', serial (no pytest-xdist)')"
+  SUITE_MODE="CUDA hidden, Triton interpreter, -m 'not gpu'$( ((XDIST)) && echo ', xdist -n 9' || echo ', serial (no pytest-xdist)')"
   suite_cmd=(-m "not gpu" tests)
-  ((XDIST)) && suite_cmd=(-n 10 "${suite_cmd[@]}")
+  ((XDIST)) && suite_cmd=(-n 9 "${suite_cmd[@]}")
 fi
-SUITE_RESERVE=$(reserve_after sanitize_racecheck) # the suite ends before the benchmarks start
-SUITE_LIMIT=$(limit_for 160 "$SUITE_RESERVE")
-if ((SUITE_LIMIT < 10)); then
-  record pytest_suite over_budget 0 "$SUITE_LIMIT" "" "the shared budget of ${BUDGET} s was spent before this step" "$SUITE_MODE"
-else
-  echo "=== pytest_suite (background, limit ${SUITE_LIMIT} s; $SUITE_MODE) ==="
-  SUITE_T=$SECONDS
-  CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 VTOKEN_PYTEST_COUNTS="$WORK/counts_pytest_suite.jsonl" \
-    timeout -k 5 "$SUITE_LIMIT" "$PY" -m pytest "${pytest_args[@]}" "${suite_cmd[@]}" >"$WORK/pytest_suite.log" 2>&1 &
-  SUITE_PID=$!
-fi
+bg_start pytest_suite 160 "$BG_RESERVE" "$SUITE_MODE" env CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 \
+  VTOKEN_PYTEST_COUNTS="$WORK/counts_pytest_suite.jsonl" "$PY" -m pytest "${pytest_args[@]}" "${suite_cmd[@]}"
 
-# 3. GPU tests: every gpu-marked test (the device policies' cuda cases too), against their oracles.
-GPU_MODE="-m gpu$( ((XDIST && !DRY)) && echo ', xdist -n 4')"
+# 3. GPU tests: every gpu-marked test (the token-attention matrices and the device policies' cuda
+# cases too), against their oracles on CUDA tensors.
+GPU_MODE="-m gpu$( ((XDIST && !DRY)) && echo ', xdist -n 6')"
 ((DRY)) && GPU_MODE="$GPU_MODE; dry run: the gpu tests skip without CUDA"
 gpu_sel=(-m gpu tests)
-((XDIST && !DRY)) && gpu_sel=(-n 4 "${gpu_sel[@]}")
-VTOKEN_PYTEST_COUNTS="$WORK/counts_pytest_gpu.jsonl" step pytest_gpu 100 "$GPU_MODE" \
+((XDIST && !DRY)) && gpu_sel=(-n 6 "${gpu_sel[@]}")
+step pytest_gpu 120 "$GPU_MODE" env VTOKEN_PYTEST_COUNTS="$WORK/counts_pytest_gpu.jsonl" \
   "$PY" -m pytest "${pytest_args[@]}" "${gpu_sel[@]}"
 
-# 4. compute-sanitizer over every kernel at small sizes.
+# 4. compute-sanitizer over every kernel at small sizes: racecheck in the background of memcheck.
 SAN=$(command -v compute-sanitizer || ls "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" 2>/dev/null || true)
 if ((DRY)); then
   step sanitize_memcheck 60 "dry run: the driver alone (CPU ops, Triton interpreter), no compute-sanitizer" \
@@ -185,18 +200,14 @@ elif [ -z "$SAN" ]; then
   record sanitize_racecheck failed 0 "" "" "compute-sanitizer not found on PATH or in \$CUDA_HOME/bin" ""
 else
   # NOTE: without the caching allocator every tensor is its own allocation, so memcheck sees its bounds.
-  for tool in memcheck racecheck; do
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 step "sanitize_$tool" 60 "$SAN --tool $tool --target-processes all" \
-      "$SAN" --tool "$tool" --target-processes all --error-exitcode 3 "$PY" bench/sanitize_kernels.py
-  done
+  san() { echo env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool "$1" --target-processes all --error-exitcode 3; }
+  bg_start sanitize_racecheck 60 "$BG_RESERVE" "$SAN --tool racecheck --target-processes all" \
+    $(san racecheck) "$PY" bench/sanitize_kernels.py
+  step sanitize_memcheck 60 "$SAN --tool memcheck --target-processes all" $(san memcheck) "$PY" bench/sanitize_kernels.py
+  bg_join sanitize_racecheck
 fi
-
-# The suite must end before the timed benchmarks (its CPU load would skew them).
-if [ -n "$SUITE_PID" ]; then
-  wait "$SUITE_PID"
-  finish pytest_suite $? "$SUITE_LIMIT" "$SUITE_T" "$SUITE_MODE"
-  tail -n 3 "$WORK/pytest_suite.log"
-fi
+bg_join pytest_suite
+[ -f "$WORK/pytest_suite.log" ] && tail -n 3 "$WORK/pytest_suite.log"
 
 # 5. Benchmarks (each writes $WORK/<name>.json).
 quick=()
