@@ -1,9 +1,8 @@
 """bench/gpu_check.sh --dry-run on the CPU: every step's plumbing, and the one JSON it writes, field by field.
 
-NOTE: the file name holds neither "gpu" nor "cuda", and the test carries no
-gpu mark: the script's own pytest steps select ``-m gpu`` and must never run
-this test again. Inside a real gpu_check.sh run (its whole-suite step) the
-test skips itself, since the script is already running.
+NOTE: the tests carry no gpu mark, so the script's GPU step (``-m gpu``) never
+runs them; in its whole-suite step (``VTOKEN_GPU_CHECK_ACTIVE`` set) they skip
+themselves, since the script is already running.
 """
 import json
 import os
