@@ -36,15 +36,18 @@
 #   total                 ~345 s        5 s of machine info + build + max(suite 140, 70 + 45) + the rest
 #
 # The demo needs the SmolLM2 checkpoint offline (the GPU machine has no network, and the 93 MB
-# package is larger than what a device call carries): $VTOKEN_GPU_CHECK_MODEL (a Hugging Face
+# package is too large to travel with the working tree): $VTOKEN_GPU_CHECK_MODEL (a Hugging Face
 # directory or a .gguf file, the latter needing the gguf package), else vtoken's cached export
 # (${VTOKEN_CACHE:-~/.cache/vtoken}/models/smollm2/hf), else the cached .gguf. Without one the
 # step is SKIPPED with the reason, never passed.
 #
+# Give the call a wall-clock limit of at least 400 s: the budget, Python's start and the report.
+#
 # Commit: `git rev-parse HEAD` (-dirty when tracked files differ); a copy without .git takes
 # $VTOKEN_GPU_CHECK_COMMIT. Logs, pytest counts and the benchmarks' JSON go to
 # ${VTOKEN_GPU_CHECK_WORK:-bench/results/gpu_check}/ (a former run's files removed first); when
-# $OUT is set, gpu_check.json, summary.txt and logs.tar.gz go there.
+# $OUT names a folder, gpu_check.json, summary.txt and logs.tar.gz (every log, count and benchmark
+# JSON of the run) are copied there.
 #
 # Exit status: 0 when no step failed, timed out or ran out of budget (skipped steps state why).
 set -uo pipefail
