@@ -24,9 +24,9 @@
 #                                       decode / prefill matrices too), CUDA graphs, tests/test_no_host_sync.py
 #                                       under sync debug mode "error", tests/test_device_policies.py's cuda
 #                                       cases vs the numpy oracles; -n 6
-#   sanitize_memcheck      45 s    60   compute-sanitizer memcheck over bench/sanitize_kernels.py (every CUDA and
+#   sanitize_memcheck      45 s    90   compute-sanitizer memcheck over bench/sanitize_kernels.py (every CUDA and
 #                                       Triton kernel once at small sizes, each checked against its reference)
-#   sanitize_racecheck     45 s    60   the same under racecheck, IN THE BACKGROUND of memcheck
+#   sanitize_racecheck     45 s    90   the same under racecheck, IN THE BACKGROUND of memcheck
 #   bench_compact_kv       25 s    45   GB/s as a fraction of a D2D copy measured in the same run
 #   bench_build_slot_lists 15 s    30   256 requests x 4K tokens (goal <= 10 us)
 #   bench_token_attention  25 s    45   --scores-only: key scores on / off, time ratio
@@ -204,9 +204,9 @@ elif [ -z "$SAN" ]; then
 else
   # NOTE: without the caching allocator every tensor is its own allocation, so memcheck sees its bounds.
   san() { echo env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool "$1" --target-processes all --error-exitcode 3; }
-  bg_start sanitize_racecheck 60 "$BG_RESERVE" "$SAN --tool racecheck --target-processes all" \
+  bg_start sanitize_racecheck 90 "$BG_RESERVE" "$SAN --tool racecheck --target-processes all" \
     $(san racecheck) "$PY" bench/sanitize_kernels.py
-  step sanitize_memcheck 60 "$SAN --tool memcheck --target-processes all" $(san memcheck) "$PY" bench/sanitize_kernels.py
+  step sanitize_memcheck 90 "$SAN --tool memcheck --target-processes all" $(san memcheck) "$PY" bench/sanitize_kernels.py
   bg_join sanitize_racecheck
 fi
 bg_join pytest_suite
