@@ -113,7 +113,18 @@ def _sanitizer(work: str, tool: str):
     return (int(m.group(1)) if m else None), (f"{launches.group(1)}/{launches.group(2)}" if launches else None)
 
 
-def figures(work: str) -> tuple[dict, dict]:
+FIGURE_STEPS = (("copy_GBps", "bench_compact_kv"), ("compact_kv", "bench_compact_kv"),
+                ("build_slot_lists", "bench_build_slot_lists"), ("token_attention", "bench_token_attention"),
+                ("decision_loop", "bench_decision_loop"), ("sanitizer_racecheck", "sanitize_racecheck"),
+                ("sanitizer", "sanitize_memcheck"), ("demo", "demo"))
+
+
+def _step_of(figure: str) -> str:
+    """The step that measures ``figure``."""
+    return next(step for prefix, step in FIGURE_STEPS if figure.startswith(prefix))
+
+
+def figures(work: str, steps: list[dict] = ()) -> tuple[dict, dict]:
     """(figures, figures_missing): every name of FIGURES, null with a reason where not measured."""
     fig = {k: None for k in FIGURES}
     ck = _load(os.path.join(work, "compact_kv.json")) or {}
@@ -149,10 +160,17 @@ def figures(work: str) -> tuple[dict, dict]:
     demo = _load(os.path.join(work, "demo.json")) or {}
     fig["demo_outputs_identical"] = demo.get("outputs_identical")
     fig["demo_model"] = demo.get("model")
+    by_name = {st["name"]: st for st in steps}
     missing = {}
     for k, v in fig.items():
         if v is None:
-            missing[k] = "not measured in this run (see the steps: a step skipped, failed, or ran its CPU variant)"
+            st = by_name.get(_step_of(k))
+            if st is None:
+                missing[k] = f"step {_step_of(k)} did not run"
+            elif st["status"] != "passed":
+                missing[k] = f"step {st['name']} {st['status']}: {st.get('reason')}"
+            else:
+                missing[k] = f"not measured by step {st['name']}'s variant ({st.get('mode') or 'default'})"
     return fig, missing
 
 
@@ -162,7 +180,7 @@ def build(work: str, *, dry_run: bool, budget: int, wall: float, root: str) -> d
     for s in steps:
         if s["name"] in PYTEST_STEPS:
             tests[s["name"]] = {**tally(os.path.join(work, f"counts_{s['name']}.jsonl")), "mode": s.get("mode", "")}
-    fig, missing = figures(work)
+    fig, missing = figures(work, steps)
     benchmarks = {}
     for name in ("compact_kv", "build_slot_lists", "token_attention", "decision_loop"):
         data = _load(os.path.join(work, f"{name}.json"))

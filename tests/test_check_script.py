@@ -86,6 +86,8 @@ def test_figures_are_all_present_and_unmeasured_ones_say_why(dry_run):
     for k in ("compact_kv_frac_copy_cuda", "build_slot_lists_256x4k_us_cuda", "token_attention_key_scores_time_ratio",
               "sanitizer_memcheck_errors", "sanitizer_racecheck_hazards"):
         assert fig[k] is None
+    assert missing["sanitizer_racecheck_hazards"].startswith("step sanitize_racecheck skipped: ")
+    assert "--quick" in missing["compact_kv_frac_copy_cuda"]
 
 
 def test_validate_names_what_is_missing():
