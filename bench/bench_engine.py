@@ -89,7 +89,7 @@ MID_FP32 = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_
                 num_kv_heads=4, init_std=0.05, dtype="float32")
 
 
-# The flat rows of the JSON ``summary`` (gpu_check.sh's short table); full rows go to ``details``.
+# The flat rows of the JSON ``summary`` (bench/summarize.py's short table); full rows go to ``details``.
 SUMMARY_KEYS = (
     "part", "result", "outputs_identical", "relocated_tokens", "graph_replays", "graph_decode_ms", "eager_decode_ms",
     "native_ms_per_step", "vtoken_ms_per_step", "overhead_pct", "hooks_host_us", "goal_met",

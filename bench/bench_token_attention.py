@@ -32,7 +32,9 @@ interpreter is meaningless for speed, so the CPU run times the torch reference
 beforehand, and checks that the Triton kernel (interpreter) matches the
 reference once.
 
-Usage: ``python bench/bench_token_attention.py [--quick]``; writes
+``--scores-only`` (GPU): only the scores on / off rows and the byte counts.
+
+Usage: ``python bench/bench_token_attention.py [--quick] [--scores-only]``; writes
 ``bench/results/token_attention.json``.
 """
 from __future__ import annotations
@@ -300,17 +302,22 @@ def cpu_rows() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small CPU run (also the default without CUDA)")
+    ap.add_argument("--scores-only", action="store_true",
+                    help="GPU: only the scores on / off timings and byte counts (no SDPA comparison; gpu_check.sh)")
     args = ap.parse_args()
     if on_gpu() and not args.quick:
         copy = copy_bandwidth_gbs()
-        rows = gpu_rows(copy)
-        print_table(f"token_attention on {torch.cuda.get_device_name()} (bf16, 32q/8kv heads, D=128); "
-                    f"D2D copy {copy:.0f} GB/s", rows)
+        rows = [] if args.scores_only else gpu_rows(copy)
+        if rows:
+            print_table(f"token_attention on {torch.cuda.get_device_name()} (bf16, 32q/8kv heads, D=128); "
+                        f"D2D copy {copy:.0f} GB/s", rows)
         summary = [{k: r[k] for k in ("case", "reqs", "live", "us", "kv_GBps", "frac_sdpa", "frac_copy")} for r in rows]
         kv_rows = kv_read_rows()
         print_table("KV bytes read with scores / without (by construction of the kernels)", kv_rows)
         score_rows = gpu_score_rows()
         print_table("scores on vs off, same plan (bf16, 32q/8kv heads, D=128)", score_rows)
+        summary = summary or [{k: r[k] for k in ("case", "us_ratio_key_scores", "us_ratio_score_out", "kv_read_ratio")}
+                              for r in score_rows]
         write_json("token_attention", {"mode": "gpu", "copy_GBps": copy, "rows": rows, "summary": summary,
                                        "kv_read": kv_rows, "scores": score_rows})
         return

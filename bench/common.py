@@ -14,7 +14,8 @@ import time
 
 import torch
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# VTOKEN_BENCH_RESULTS: another folder for the JSON files (gpu_check.sh keeps one run's files together).
+RESULTS_DIR = os.environ.get("VTOKEN_BENCH_RESULTS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def prepare_kernel_env() -> None:
@@ -128,7 +129,7 @@ def print_table(title: str, rows: list[dict]) -> None:
 
 
 def write_json(name: str, payload: dict) -> str:
-    """Write ``bench/results/<name>.json`` with device info; return its path."""
+    """Write ``<RESULTS_DIR>/<name>.json`` (default ``bench/results``) with device info; return its path."""
     os.makedirs(RESULTS_DIR, exist_ok=True)
     payload = dict(payload)
     payload.setdefault(

@@ -1,4 +1,4 @@
-"""Print a short table from benchmark JSON files (the last step of gpu_check.sh).
+"""Print a short table from benchmark JSON files (gpu_check.sh prints its own, from its one report).
 
 Arguments: JSON files and/or folders of them (default: bench/results). Each
 benchmark JSON may carry a ``summary`` list of flat rows; otherwise its

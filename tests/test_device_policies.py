@@ -33,7 +33,8 @@ from vtoken.policies.device import (
 
 torch.set_num_threads(1)
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# The cuda cases carry the gpu mark: bench/gpu_check.sh runs them with the other GPU tests (-m gpu).
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 SEG = 256  # mirror segment per request
 PAD_ROWS = 5  # packed entries past kv_indptr[num_reqs]
 

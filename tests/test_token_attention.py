@@ -43,6 +43,9 @@ HEAD_CASES = [(64, 2, 1), (128, 1, 4), (256, 1, 4), (96, 2, 1)]
 UNIT_ROUNDOFF = {torch.float32: 2.0**-16, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 KEY_SCORE_TOL = dict(rtol=1e-4, atol=1e-5)
 DEV = KERNEL_DEVICE  # every tensor of these tests, oracles included (tests/kernel_device.py)
+# The decode and prefill matrices take the device as a parameter, gpu-marked where a GPU is, so that
+# bench/gpu_check.sh's `-m gpu` step runs them on CUDA tensors (the compiled kernels).
+DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else ["cpu"]
 
 
 # ---------------------------------------------------------------- helpers
@@ -102,16 +105,17 @@ def assert_scores_close(ks, oracle_ks, mass=1.0):
 @pytest.mark.parametrize("head_case", HEAD_CASES, ids=lambda c: f"D{c[0]}-kv{c[1]}-g{c[2]}")
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_decode_matches_oracle(dtype, layout_name, head_case):
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_matches_oracle(device, dtype, layout_name, head_case):
     head_dim, num_kv_heads, group = head_case
     seed = zlib.crc32(f"decode {dtype} {layout_name} {head_case}".encode())
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
     block_size = [16, 5, 1, 16][LAYOUTS.index(layout_name)]
     num_blocks = 160 // block_size
-    cache, lay = make_cache(layout_name, num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
+    cache, lay = make_cache(layout_name, num_blocks, block_size, num_kv_heads, head_dim, dtype, gen, device=device)
     lens = [1, 67, 0, 23]  # odd sizes; 67 > one BLOCK_N tile; 0 = a request with no live token
-    idx, ptr = make_lists(lens, lay.num_slots, pad_tail=5, rng=rng)
-    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen).to(DEV).to(dtype)
+    idx, ptr = make_lists(lens, lay.num_slots, pad_tail=5, rng=rng, device=device)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen).to(device=device, dtype=dtype)
     out, ks = tri_attention(q, cache, lay, idx, ptr, return_key_scores=True)
     oracle, oracle_ks = ref_attention(q, cache, lay, idx, ptr, return_key_scores=True, compute_dtype=torch.float64)
     assert out.dtype == dtype and ks.dtype == torch.float32 and ks.shape == (idx.numel(), num_kv_heads)
@@ -145,18 +149,20 @@ def test_decode_split_matches_oracle(dtype, num_splits):
 @pytest.mark.parametrize("head_case", HEAD_CASES[:3], ids=lambda c: f"D{c[0]}-kv{c[1]}-g{c[2]}")
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_prefill_matches_oracle(dtype, layout_name, head_case):
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_matches_oracle(device, dtype, layout_name, head_case):
     head_dim, num_kv_heads, group = head_case
     seed = zlib.crc32(f"prefill {dtype} {layout_name} {head_case}".encode())
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
     block_size = [16, 5, 1, 16][LAYOUTS.index(layout_name)]
-    cache, lay = make_cache(layout_name, 200 // block_size, block_size, num_kv_heads, head_dim, dtype, gen)
+    cache, lay = make_cache(layout_name, 200 // block_size, block_size, num_kv_heads, head_dim, dtype, gen, device=device)
     # (n_live, n_new): chunk after past tokens, whole prompt (no past), a decode-like
     # step, a request with nothing new, and a chunk longer than one query tile at group 1.
     reqs = [(40, 9), (13, 13), (30, 1), (7, 0), (80, 70 if group == 1 else 20)]
-    idx, ptr = make_lists([r[0] for r in reqs], lay.num_slots, pad_tail=4, rng=rng)
-    q_indptr = torch.tensor([0] + torch.tensor([r[1] for r in reqs]).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    q = torch.randn(int(q_indptr[-1]), num_kv_heads * group, head_dim, generator=gen).to(DEV).to(dtype)
+    idx, ptr = make_lists([r[0] for r in reqs], lay.num_slots, pad_tail=4, rng=rng, device=device)
+    q_indptr = torch.tensor([0] + torch.tensor([r[1] for r in reqs]).cumsum(0).tolist(), dtype=torch.int32,
+                            device=device)
+    q = torch.randn(int(q_indptr[-1]), num_kv_heads * group, head_dim, generator=gen).to(device=device, dtype=dtype)
     out, ks = tri_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True)
     oracle, oracle_ks = ref_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True, compute_dtype=torch.float64)
     assert_close_to_oracle(out, oracle, dtype, v_absmax(cache, lay, idx))

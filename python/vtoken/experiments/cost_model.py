@@ -118,7 +118,7 @@ class H200Roofline:
             does not depend on it).
         step_overhead: seconds per step outside the roofline: scheduling,
             sampling and the launch of a captured CUDA graph (1.5e-3: an
-            assumption; ``bench/gpu_check.sh`` calibrates measured / modeled).
+            assumption; ``bench/bench_cost_model.py`` on a GPU calibrates measured / modeled).
         hbm_bytes: the HBM capacity, 141e9 (the datasheet's 141 GB); with
             :meth:`kv_blocks` it sizes the KV cache a server would get.
     """
