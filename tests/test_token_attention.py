@@ -751,6 +751,44 @@ def test_empty_batch():
     assert out.shape == (0, 4, 64) and torch.equal(ks, torch.zeros(5, 2, device=DEV))
 
 
+
+def test_prefill_score_splits_fill_an_h200_for_one_long_prompt():
+    """One long prompt gets about two waves of programs (132 SMs), past the decode cap of 32."""
+    assert tri_mod.score_splits_for(132, 1, 32768, 64) == 264
+    assert tri_mod.score_splits_for(132, 1, 32768, 64) > tri_mod.MAX_SPLITS
+    assert tri_mod.score_splits_for(132, 1, 640, 64) == 10  # never less than one key tile per split
+    assert tri_mod.score_splits_for(132, 512, 512 * 4096, 64) == 1  # many requests fill the GPU alone
+    assert tri_mod.score_splits_for(132, 1, 10, 64) == 1
+
+
+@pytest.mark.parametrize("splits", [2, 5, 64])
+def test_prefill_score_splits_give_the_same_bits(splits):
+    """Each split owns whole key tiles: key_scores and score_out are bit-identical for any split count."""
+    gen, rng = torch.Generator().manual_seed(splits), random.Random(splits)
+    cache, lay = make_cache("vllm_flash", 32, 16, 2, 64, torch.float16, gen)
+    lens = [300, 7, 0, 150]  # 300 keys: 5 tiles of 64, so splits cut inside, at and past the tiles
+    idx, ptr = make_lists(lens, lay.num_slots, pad_tail=3, rng=rng)
+    q_indptr = torch.tensor([0, 40, 47, 47, 60], dtype=torch.int32)
+    q = torch.randn(60, 4, 64, generator=gen).half()
+    starts, pos, touched, size = make_mirror(lens, idx, ptr, rng)
+    a = contracts.token_attention_sizes(q, lay, idx, ptr, q_indptr, None)
+    results = []
+    for n in (1, splits):
+        plan = tri_mod.TokenAttentionPlan(a, lay, idx, ptr, q_indptr, dtype=q.dtype, device=q.device, scores=True,
+                                          mirror_starts=starts, kv_pos=pos)
+        plan.score_splits = n  # what score_splits_for picks on a GPU; the interpreter picks 1
+        buf = torch.full((size,), float("nan"))
+        buf[touched] = 0.0
+        out, ks = plan.run(q, cache, return_key_scores=True, score_out=buf)
+        results.append((out, ks, buf))
+    (o1, k1, b1), (on, kn, bn) = results
+    assert torch.equal(o1, on)
+    assert torch.equal(k1.view(torch.int32), kn.view(torch.int32))
+    assert torch.equal(b1.view(torch.int32), bn.view(torch.int32))
+    assert bool(torch.isnan(bn[~touched]).all()) and bool(torch.isfinite(bn[touched]).all())
+    assert float(kn[:300].sum()) > 0 and float(kn[307:457].sum()) > 0  # both long requests scored
+
+
 # ---------------------------------------------------------------- AOT compile (sm_90, sm_80)
 
 _TL = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}

@@ -47,6 +47,10 @@ kernel fills about two waves of SMs: ``splits = min(ceil(2 * SMs /
 (num_reqs * num_kv_heads)), nnz_max / num_reqs / 256, 32)``; large batches
 (e.g. 64 requests x 8 kv heads on 132 SMs) get no split, few long requests get
 up to 32. Under the interpreter (CPU) it is 1 unless ``num_splits`` is given.
+The prefill score pass splits each request's keys too, without the cap of 32
+(no reduce pass; each split owns whole key tiles, so the scores are the same
+bits for any split count): ``min(ceil(2 * SMs / num_reqs), nnz_max / num_reqs /
+BLOCK_N)`` programs per request (see ``score_splits_for``).
 
 NOTE: tile sizes (BLOCK_N 64, or 32 at head_dim 256; 64 query rows per prefill
 tile, 32 at head_dim 256) are conventional flash-attention choices, not yet
@@ -202,7 +206,10 @@ class TokenAttentionPlan:
             self.q_ptr_arg = q_indptr
         # Score passes loop over the kv heads inside a program (one writer per score_out entry,
         # no atomics), so their grid fills the GPU with requests x splits only.
-        self.score_splits = _auto_splits(device, a.num_reqs, 1, a.nnz_max)
+        if a.decode or self.empty:
+            self.score_splits = _auto_splits(device, a.num_reqs, 1, a.nnz_max)
+        else:
+            self.score_splits = _prefill_score_splits(device, a.num_reqs, a.nnz_max, cfg["BLOCK_N"])
         self.qk_scale = a.scale * LOG2E
         self.dot_precision = "ieee" if dtype == torch.float32 else "tf32"
         # NOTE: the Triton interpreter multiplies bf16 bit patterns in tl.dot
@@ -361,6 +368,28 @@ def _auto_splits(device: torch.device, num_reqs: int, num_kv_heads: int, nnz_max
     fill = triton.cdiv(2 * _sm_count(idx), programs)
     by_len = max(1, (nnz_max // max(1, num_reqs)) // MIN_KEYS_PER_SPLIT)
     return max(1, min(fill, by_len, MAX_SPLITS))
+
+
+def _prefill_score_splits(device: torch.device, num_reqs: int, nnz_max: int, block_n: int) -> int:
+    """Prefill key-score splits from shapes only; 1 off CUDA (the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return score_splits_for(_sm_count(idx), num_reqs, nnz_max, block_n)
+
+
+def score_splits_for(sm_count: int, num_reqs: int, nnz_max: int, block_n: int) -> int:
+    """Key splits per request for the prefill score pass: about two waves of SMs, >= one key tile each.
+
+    NOTE: no MAX_SPLITS cap here (it bounds the decode reduce, which this pass
+    does not have): each split owns a disjoint run of whole BLOCK_N key tiles
+    and writes its keys alone, so any split count gives bit-identical scores.
+    A split's work is O(its keys x the prompt's queries), so one key tile per
+    split is worth a program: one 32k-token prompt on 132 SMs gets 264.
+    """
+    fill = triton.cdiv(2 * sm_count, max(1, num_reqs))
+    by_len = max(1, (nnz_max // max(1, num_reqs)) // block_n)
+    return max(1, min(fill, by_len))
 
 
 def _prefill_tiles(q_indptr: torch.Tensor, num_q_tokens: int, block_q: int):
