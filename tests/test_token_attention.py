@@ -41,6 +41,8 @@ LAYOUTS = ["vllm_flash", "vllm_fused", "nhd", "hnd"]  # vllm_flash: vLLM 0.32 Fl
 HEAD_CASES = [(64, 2, 1), (128, 1, 4), (256, 1, 4), (96, 2, 1)]
 UNIT_ROUNDOFF = {torch.float32: 2.0**-16, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 KEY_SCORE_TOL = dict(rtol=1e-4, atol=1e-5)
+# vtoken.ops backends on CPU tensors: "cuda" is the extension's C++ CPU kernel when vtoken._C has it.
+OPS_BACKENDS = ["triton", "torch"] + (["cuda"] if ops.has_extension_op("token_attention") else [])
 
 
 # ---------------------------------------------------------------- helpers
@@ -341,7 +343,7 @@ def test_nonfinite_inputs_propagate_the_same_in_every_backend(mode, where, dtype
     want_out, want_ks = _nonfinite_oracle(where, n_new, q.shape[1], idx.numel())
     assert want_out.any() and not want_out.all()  # the case poisons some rows, not all
     results = {}
-    for backend in ("triton", "torch"):
+    for backend in OPS_BACKENDS:
         monkeypatch.setenv("VTOKEN_BACKEND", backend)
         results[backend] = ops.token_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True)
     if mode == "decode":  # flash-decoding: the poisoned key lands in one of three splits
@@ -352,7 +354,7 @@ def test_nonfinite_inputs_propagate_the_same_in_every_backend(mode, where, dtype
     # score_out: an entry is NaN exactly when one of its key's kv-head scores is.
     kv_pos = torch.arange(idx.numel(), dtype=torch.int32)
     starts = torch.zeros(len(NF_LENS), dtype=torch.int64)
-    for backend in ("triton", "torch"):
+    for backend in OPS_BACKENDS:
         monkeypatch.setenv("VTOKEN_BACKEND", backend)
         buf = torch.zeros(idx.numel())
         ops.token_attention(q, cache, lay, idx, ptr, q_indptr, score_out=buf, mirror_starts=starts, kv_pos=kv_pos)
@@ -480,7 +482,7 @@ def test_score_out_over_layers_is_the_sum_of_single_calls(mode, monkeypatch):
     q_indptr, n_q = (None, 3) if mode == "decode" else (torch.tensor([0, 5, 8, 20], dtype=torch.int32), 20)
     qs = [torch.randn(n_q, 8, 64, generator=gen).half() for _ in layers]
     starts, pos, touched, size = make_mirror(lens, idx, ptr, rng)
-    for backend in ("triton", "torch"):
+    for backend in OPS_BACKENDS:
         monkeypatch.setenv("VTOKEN_BACKEND", backend)
         step = ops.plan_token_attention(lay, idx, ptr, q_indptr, num_q_heads=8, dtype=torch.float16,
                                         num_q_tokens=n_q, scores=True, mirror_starts=starts, kv_pos=pos)
@@ -558,17 +560,19 @@ def test_ops_dispatch(monkeypatch):
     idx, ptr = make_lists([9, 40], lay.num_slots, pad_tail=3, rng=rng)
     q = torch.randn(2, 4, 64, generator=gen)
     results = {}
-    for backend in ("triton", "torch"):
+    for backend in OPS_BACKENDS:
         monkeypatch.setenv("VTOKEN_BACKEND", backend)
-        assert ops.select_backend("token_attention", q.device, has_cuda_impl=False) == backend
+        assert ops.select_backend("token_attention", q.device, has_cuda_impl=True) == backend
         results[backend] = ops.token_attention(q, cache, lay, idx, ptr, return_key_scores=True)
-    monkeypatch.setenv("VTOKEN_BACKEND", "cuda")
-    with pytest.raises(InvalidArgumentError, match="VTOKEN_BACKEND=cuda"):
-        ops.token_attention(q, cache, lay, idx, ptr)
+    if "cuda" not in OPS_BACKENDS:  # no extension op: forcing it raises
+        monkeypatch.setenv("VTOKEN_BACKEND", "cuda")
+        with pytest.raises(InvalidArgumentError, match="VTOKEN_BACKEND=cuda"):
+            ops.token_attention(q, cache, lay, idx, ptr)
     monkeypatch.delenv("VTOKEN_BACKEND")
     assert isinstance(ops.token_attention(q, cache, lay, idx, ptr), torch.Tensor)
-    torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=2e-5, atol=2e-5)
-    torch.testing.assert_close(results["triton"][1], results["torch"][1], **KEY_SCORE_TOL)
+    for backend in OPS_BACKENDS[1:]:
+        torch.testing.assert_close(results["triton"][0], results[backend][0], rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(results["triton"][1], results[backend][1], **KEY_SCORE_TOL)
 
 
 def _valid_args():
@@ -638,7 +642,7 @@ VALID_STARTS = torch.tensor([0, 3], dtype=torch.int64)  # request 0 at 0..2, req
 VALID_POS = torch.tensor([0, 1, 2, 0, -1], dtype=torch.int32)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", OPS_BACKENDS)
 @pytest.mark.parametrize("case", BAD_ARGS, ids=[c[0] for c in BAD_ARGS])
 def test_bad_arguments_raise_typed_errors(case, backend, monkeypatch):
     """vtoken.ops checks the contract once, before any backend runs."""
