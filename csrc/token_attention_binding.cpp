@@ -238,11 +238,6 @@ VT_INLINE void softmax_row(float* s, int64_t n) {
   for (j = 0; j < n; ++j) s[j] *= inv;
 }
 
-// y[0, n) += a * x[0, n), n a multiple of 16.
-VT_INLINE void axpy(float a, const float* x, float* y, int64_t n) {
-  for (int64_t d = 0; d < n; d += kLanes) vstore(y + d, vload(y + d) + a * vload(x + d));
-}
-
 VT_INLINE bool all_finite(const float* x, int64_t n) {
   uint32_t bad = 0;
   for (int64_t d = 0; d < n; ++d) bad |= (to_bits(x[d]) & 0x7f800000u) == 0x7f800000u;
@@ -323,13 +318,32 @@ VT_INLINE void run_unit(const Params& p, const Unit& u, Scratch& ws) {
       if (scores)
         for (int64_t j = 0; j < n; ++j) ws.kacc[j] += s[j];
     }
-    // P @ V. NOTE: no key is skipped for p == 0: 0 * Inf = NaN must reach the row (checked below).
-    for (int64_t j = 0; j < nk; ++j) {
-      if (j + kLanes < nk && ws.koff[j + kLanes] >= 0) prefetch_row(kv + ws.koff[j + kLanes] + p.stride_kv, D);
-      if (ws.koff[j] < 0) continue;
-      const int64_t r0 = std::max<int64_t>(0, j - shift - t0) * G;
-      load_row(kv + ws.koff[j] + p.stride_kv, ws.row.data(), D);
-      for (int64_t r = r0; r < R; ++r) axpy(ws.sc[r * nk + j], ws.row.data(), &ws.o[r * Dp], Dp);
+    // P @ V, 16 keys at a time: their V rows are converted into kbuf (a PAD key's row is zeroed:
+    // its p is 0 and stale data could be NaN), then each output vector takes the chunk's 16
+    // multiply-adds in a register. NOTE: no key is skipped for p == 0: 0 * Inf = NaN must reach
+    // the row (checked below).
+    for (int64_t jb = 0; jb < nk; jb += kLanes) {
+      const int64_t nb = std::min<int64_t>(kLanes, nk - jb);
+      float* vbuf = ws.kbuf.data();
+      for (int64_t j = jb + kLanes; j < std::min(nk, jb + 2 * kLanes); ++j)
+        if (ws.koff[j] >= 0) prefetch_row(kv + ws.koff[j] + p.stride_kv, D);
+      for (int64_t l = 0; l < nb; ++l) {
+        if (ws.koff[jb + l] >= 0)
+          load_row(kv + ws.koff[jb + l] + p.stride_kv, vbuf + l * Dp, D);
+        else
+          std::fill(vbuf + l * Dp, vbuf + l * Dp + D, 0.0f);
+      }
+      for (int64_t r = std::max<int64_t>(0, jb - shift - t0) * G; r < R; ++r) {
+        // Row r attends keys [0, shift + i]: only the chunk's first `cnt` keys.
+        const int64_t cnt = std::clamp<int64_t>(shift + t0 + r / G + 1 - jb, 0, nb);
+        const float* pr = &ws.sc[r * nk + jb];
+        float* o = &ws.o[r * Dp];
+        for (int64_t c = 0; c < Dp; c += kLanes) {
+          v16 acc = vload(o + c);
+          for (int64_t l = 0; l < cnt; ++l) acc += pr[l] * vload(vbuf + l * Dp + c);
+          vstore(o + c, acc);
+        }
+      }
     }
     for (int64_t r = 0; r < R; ++r) {
       const int64_t i = t0 + r / G, h = g * G + r % G;
