@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -368,22 +369,22 @@ VT_INLINE void run_unit(const Params& p, const Unit& u, Scratch& ws) {
 }
 
 template <typename T>
-void run_units_base(const Params& p, const Unit* units, int64_t begin, int64_t end) {
+void run_units_base(const Params& p, const Unit* units, int64_t n, std::atomic<int64_t>* next) {
   Scratch& ws = scratch();
-  for (int64_t i = begin; i < end; ++i) run_unit<T>(p, units[i], ws);
+  for (int64_t i = next->fetch_add(1); i < n; i = next->fetch_add(1)) run_unit<T>(p, units[i], ws);
 }
 
 #if defined(VT_X86)
 template <typename T>
-VT_TARGET_AVX2 void run_units_avx2(const Params& p, const Unit* units, int64_t begin, int64_t end) {
+VT_TARGET_AVX2 void run_units_avx2(const Params& p, const Unit* units, int64_t n, std::atomic<int64_t>* next) {
   Scratch& ws = scratch();
-  for (int64_t i = begin; i < end; ++i) run_unit<T>(p, units[i], ws);
+  for (int64_t i = next->fetch_add(1); i < n; i = next->fetch_add(1)) run_unit<T>(p, units[i], ws);
 }
 
 template <typename T>
-VT_TARGET_AVX512 void run_units_avx512(const Params& p, const Unit* units, int64_t begin, int64_t end) {
+VT_TARGET_AVX512 void run_units_avx512(const Params& p, const Unit* units, int64_t n, std::atomic<int64_t>* next) {
   Scratch& ws = scratch();
-  for (int64_t i = begin; i < end; ++i) run_unit<T>(p, units[i], ws);
+  for (int64_t i = next->fetch_add(1); i < n; i = next->fetch_add(1)) run_unit<T>(p, units[i], ws);
 }
 #endif
 
@@ -400,14 +401,19 @@ int64_t best_isa() {
 
 template <typename T>
 void run_all(const Params& p, const std::vector<Unit>& units, int64_t isa) {
-  using Fn = void (*)(const Params&, const Unit*, int64_t, int64_t);
+  using Fn = void (*)(const Params&, const Unit*, int64_t, std::atomic<int64_t>*);
   Fn fn = &run_units_base<T>;
 #if defined(VT_X86)
   if (isa == 1) fn = &run_units_avx2<T>;
   if (isa == 2) fn = &run_units_avx512<T>;
 #endif
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1,
-                   [&](int64_t begin, int64_t end) { fn(p, units.data(), begin, end); });
+  // NOTE: units are taken from a shared counter, not split statically: requests differ in
+  // length, and on a shared machine a descheduled thread would otherwise hold back its whole
+  // static share. Units come sorted by cost, largest first.
+  const int64_t n = static_cast<int64_t>(units.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1,
+                   [&](int64_t, int64_t) { fn(p, units.data(), n, &next); });
 }
 
 // ---------------------------------------------------------------- checks
@@ -597,6 +603,9 @@ void token_attention_cpu(const Tensor& q, const Tensor& kv_cache, const Tensor& 
     for (int64_t g = 0; g < num_heads; ++g)
       for (int64_t i = 0; i < n_new; i += step) units.push_back({r, g, i, std::min(n_new, i + step)});
   }
+  std::stable_sort(units.begin(), units.end(), [&](const Unit& a, const Unit& b) {
+    return (kptr[a.req + 1] - kptr[a.req]) * (a.q1 - a.q0) > (kptr[b.req + 1] - kptr[b.req]) * (b.q1 - b.q0);
+  });
   switch (q.scalar_type()) {
     case at::kFloat: run_all<float>(p, units, isa); break;
     case at::kHalf: run_all<c10::Half>(p, units, isa); break;

@@ -277,3 +277,25 @@ def test_ops_picks_the_cpu_kernel_for_cpu_tensors(monkeypatch):
     assert ops.select_backend("token_attention", q.device, has_cuda_impl=True) == "torch"
     ref = ops.token_attention(q, cache, lay, idx, ptr, q_indptr)
     assert_out_close(got, ref.double(), torch.float32)
+
+
+@needs_op
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_threads_give_bit_identical_results(mode):
+    """Units are shared out dynamically over threads; each output element and key score has one writer."""
+    q, cache, lay, idx, ptr, q_indptr, rng, _ = _case(mode, torch.bfloat16, (64, 3, 3), "vllm_fused", f"thr {mode}")
+    lens = (ptr[1:] - ptr[:-1]).tolist()
+    starts, pos, _, size = make_mirror(lens, idx, ptr, rng)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            buf = torch.zeros(size)
+            out, ks = cpu_attention(q, cache, lay, idx, ptr, q_indptr, score_out=buf, mirror_starts=starts, kv_pos=pos)
+            results.append((out, ks, buf))
+    finally:
+        torch.set_num_threads(threads)
+    for out, ks, buf in results[1:]:
+        assert torch.equal(out.view(torch.int16), results[0][0].view(torch.int16))
+        assert torch.equal(ks, results[0][1]) and torch.equal(buf, results[0][2])
