@@ -159,11 +159,9 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t i16 __attribute__((vector_size(64)));
 
-VT_INLINE v16 vload(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-VT_INLINE void vstore(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
 // r[l] = sum of the lanes of a[l], l < 16 (a transpose-and-add tree: 15 adds, 30 two-source shuffles).
-VT_INLINE v16 hsum16(v16* a) {
+VT_INLINE v16 hsum16(const v16* a) {
   const i16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const i16 hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
   const i16 lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
@@ -178,6 +176,50 @@ VT_INLINE v16 hsum16(v16* a) {
   for (int i = 0; i < 2; ++i) d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], lo2) + __builtin_shuffle(c[2 * i], c[2 * i + 1], hi2);
   return __builtin_shuffle(d[0], d[1], lo1) + __builtin_shuffle(d[0], d[1], hi1);
 }
+
+// The same for 8 vectors of 8 lanes, with in-lane (AVX2 vshufps-style) shuffles. NOTE: the AVX2
+// and baseline paths compute in 8-lane vectors: GCC lowers a 16-float vector on AVX2 through the
+// stack and general registers, which made that path 1.6-1.8x slower than the baseline one.
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+VT_INLINE v8 hadd8(v8 a, v8 b) {
+  const i8 ev = {0, 2, 8, 10, 4, 6, 12, 14}, od = {1, 3, 9, 11, 5, 7, 13, 15};
+  return __builtin_shuffle(a, b, ev) + __builtin_shuffle(a, b, od);
+}
+
+VT_INLINE v8 hsum8(const v8* h) {
+  const i8 lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = {4, 5, 6, 7, 12, 13, 14, 15};
+  const v8 u0 = hadd8(hadd8(h[0], h[1]), hadd8(h[2], h[3]));
+  const v8 u1 = hadd8(hadd8(h[4], h[5]), hadd8(h[6], h[7]));
+  return __builtin_shuffle(u0, u1, lo) + __builtin_shuffle(u0, u1, hi);
+}
+
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+
+template <typename V>
+VT_INLINE V vload(const float* p) {
+  if constexpr (sizeof(V) == 64) return *reinterpret_cast<const v16u*>(p);
+  else return *reinterpret_cast<const v8u*>(p);
+}
+
+template <typename V>
+VT_INLINE void vstore(float* p, V v) {
+  if constexpr (sizeof(V) == 64) *reinterpret_cast<v16u*>(p) = v;
+  else *reinterpret_cast<v8u*>(p) = v;
+}
+
+// dots[l] = sum of the lanes of part[l], l < 16, for either vector width.
+template <typename V>
+VT_INLINE void hsum_parts(const V* part, float* dots) {
+  if constexpr (sizeof(V) == 64) {
+    vstore(dots, hsum16(part));
+  } else {
+    vstore(dots, hsum8(part));
+    vstore(dots + 8, hsum8(part + 8));
+  }
+}
+
 
 // max over x[0, n); a NaN is ignored here (it reaches every p through the sum, see softmax_row).
 VT_INLINE float row_max(const float* x, int64_t n) {
@@ -247,7 +289,7 @@ VT_INLINE bool all_finite(const float* x, int64_t n) {
 
 // ---------------------------------------------------------------- one work unit
 
-template <typename T>
+template <typename T, typename V>
 VT_INLINE void run_unit(const Params& p, const Unit& u, Scratch& ws) {
   const int64_t D = p.head_dim, G = p.group, g = u.head;
   const int64_t k0 = p.kv_indptr[u.req], n_live = p.kv_indptr[u.req + 1] - k0;  // clamped by the caller
@@ -299,13 +341,15 @@ VT_INLINE void run_unit(const Params& p, const Unit& u, Scratch& ws) {
         if (ws.koff[jb + l] >= 0) load_row(kv + ws.koff[jb + l], kbuf + l * Dp, D);
       for (int64_t r = std::max<int64_t>(0, jb - shift - t0) * G; r < R; ++r) {
         const float* qr = &ws.qf[r * Dp];
-        v16 part[kLanes];
+        constexpr int64_t W = sizeof(V) / sizeof(float);
+        V part[kLanes];
         for (int l = 0; l < kLanes; ++l) {
-          v16 acc = {};
-          for (int64_t c = 0; c < Dp; c += kLanes) acc += vload(qr + c) * vload(kbuf + l * Dp + c);
+          V acc = {};
+          for (int64_t c = 0; c < Dp; c += W) acc += vload<V>(qr + c) * vload<V>(kbuf + l * Dp + c);
           part[l] = acc;
         }
-        const v16 dots = hsum16(part);
+        float dots[kLanes];
+        hsum_parts(part, dots);
         float* out_s = &ws.sc[r * nk + jb];
         for (int64_t l = 0; l < nb; ++l) out_s[l] = ws.koff[jb + l] >= 0 ? dots[l] * p.scale : -kInf;
       }
@@ -339,9 +383,9 @@ VT_INLINE void run_unit(const Params& p, const Unit& u, Scratch& ws) {
         const int64_t cnt = std::clamp<int64_t>(shift + t0 + r / G + 1 - jb, 0, nb);
         const float* pr = &ws.sc[r * nk + jb];
         float* o = &ws.o[r * Dp];
-        for (int64_t c = 0; c < Dp; c += kLanes) {
-          v16 acc = vload(o + c);
-          for (int64_t l = 0; l < cnt; ++l) acc += pr[l] * vload(vbuf + l * Dp + c);
+        for (int64_t c = 0; c < Dp; c += int64_t(sizeof(V) / sizeof(float))) {
+          V acc = vload<V>(o + c);
+          for (int64_t l = 0; l < cnt; ++l) acc += pr[l] * vload<V>(vbuf + l * Dp + c);
           vstore(o + c, acc);
         }
       }
@@ -371,20 +415,20 @@ VT_INLINE void run_unit(const Params& p, const Unit& u, Scratch& ws) {
 template <typename T>
 void run_units_base(const Params& p, const Unit* units, int64_t n, std::atomic<int64_t>* next) {
   Scratch& ws = scratch();
-  for (int64_t i = next->fetch_add(1); i < n; i = next->fetch_add(1)) run_unit<T>(p, units[i], ws);
+  for (int64_t i = next->fetch_add(1); i < n; i = next->fetch_add(1)) run_unit<T, v8>(p, units[i], ws);
 }
 
 #if defined(VT_X86)
 template <typename T>
 VT_TARGET_AVX2 void run_units_avx2(const Params& p, const Unit* units, int64_t n, std::atomic<int64_t>* next) {
   Scratch& ws = scratch();
-  for (int64_t i = next->fetch_add(1); i < n; i = next->fetch_add(1)) run_unit<T>(p, units[i], ws);
+  for (int64_t i = next->fetch_add(1); i < n; i = next->fetch_add(1)) run_unit<T, v8>(p, units[i], ws);
 }
 
 template <typename T>
 VT_TARGET_AVX512 void run_units_avx512(const Params& p, const Unit* units, int64_t n, std::atomic<int64_t>* next) {
   Scratch& ws = scratch();
-  for (int64_t i = next->fetch_add(1); i < n; i = next->fetch_add(1)) run_unit<T>(p, units[i], ws);
+  for (int64_t i = next->fetch_add(1); i < n; i = next->fetch_add(1)) run_unit<T, v16>(p, units[i], ws);
 }
 #endif
 
