@@ -26,10 +26,13 @@
 // owns all the query tiles of its (request, kv head): the only writer of its
 // key_scores column range, so no atomics and a deterministic sum.
 //
-// Vectorization: plain loops over 16 independent float lanes (no reassociation
-// needed, so -O3 vectorizes them without -ffast-math), compiled three times via
-// target attributes (baseline, AVX2+FMA, AVX-512) and picked at run time, so
-// the shipped library runs on any x86-64 CPU.
+// Vectorization: GCC generic vectors (16 floats under AVX-512, 8 otherwise) for
+// the dot products (16 keys at a time, summed lane-wise by a shuffle tree) and
+// P @ V; plain 16-lane loops (no reassociation needed, so -O3 vectorizes them
+// without -ffast-math) for conversions and the softmax. Compiled three times via
+// target attributes (baseline x86-64, AVX2+FMA+F16C, AVX-512) and picked at run
+// time, so the shipped library runs on any x86-64 CPU. K/V rows are prefetched
+// two 16-key chunks ahead.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
