@@ -46,6 +46,9 @@ DEV = KERNEL_DEVICE  # every tensor of these tests, oracles included (tests/kern
 # The decode and prefill matrices take the device as a parameter, gpu-marked where a GPU is, so that
 # bench/gpu_check.sh's `-m gpu` step runs them on CUDA tensors (the compiled kernels).
 DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else ["cpu"]
+# vtoken.ops backends on the test device: "cuda" is the extension's C++ CPU kernel when vtoken._C has it
+# (CPU tensors only: on a GPU machine DEV is CUDA and Triton compiles).
+OPS_BACKENDS = ["triton", "torch"] + (["cuda"] if DEV == "cpu" and ops.has_extension_op("token_attention") else [])
 
 
 # ---------------------------------------------------------------- helpers
@@ -350,7 +353,7 @@ def test_nonfinite_inputs_propagate_the_same_in_every_backend(mode, where, dtype
     want_out, want_ks = _nonfinite_oracle(where, n_new, q.shape[1], idx.numel())
     assert want_out.any() and not want_out.all()  # the case poisons some rows, not all
     results = {}
-    for backend in ("triton", "torch"):
+    for backend in OPS_BACKENDS:
         monkeypatch.setenv("VTOKEN_BACKEND", backend)
         results[backend] = ops.token_attention(q, cache, lay, idx, ptr, q_indptr, return_key_scores=True)
     if mode == "decode":  # flash-decoding: the poisoned key lands in one of three splits
@@ -361,7 +364,7 @@ def test_nonfinite_inputs_propagate_the_same_in_every_backend(mode, where, dtype
     # score_out: an entry is NaN exactly when one of its key's kv-head scores is.
     kv_pos = torch.arange(idx.numel(), dtype=torch.int32, device=DEV)
     starts = torch.zeros(len(NF_LENS), dtype=torch.int64, device=DEV)
-    for backend in ("triton", "torch"):
+    for backend in OPS_BACKENDS:
         monkeypatch.setenv("VTOKEN_BACKEND", backend)
         buf = torch.zeros(idx.numel(), device=DEV)
         ops.token_attention(q, cache, lay, idx, ptr, q_indptr, score_out=buf, mirror_starts=starts, kv_pos=kv_pos)
@@ -388,7 +391,7 @@ SCORE_GROUPS = [1, 2, 4, 8]
 NEG_ZERO_BITS = -(2**31)  # int32 view of float32 -0.0
 
 
-def make_mirror(lens, idx, ptr, rng, *, extra_reqs=2):
+def make_mirror(lens, idx, ptr, rng, *, extra_reqs=2, device=DEV):
     """(mirror_starts int64, kv_pos int32, touched bool [mirror_size], mirror_size).
 
     Request r owns a mirror segment with dead positions between its live ones and
@@ -412,16 +415,16 @@ def make_mirror(lens, idx, ptr, rng, *, extra_reqs=2):
         cursor += seg + 5
     pos += [-1] * (idx.numel() - len(pos))
     size = cursor + 4
-    touched = torch.zeros(size, dtype=torch.bool, device=DEV)
+    touched = torch.zeros(size, dtype=torch.bool, device=device)
     touched[touched_pos] = True
-    mirror_starts = torch.tensor(starts + [10**6] * extra_reqs, dtype=torch.int64, device=DEV)
-    return mirror_starts, torch.tensor(pos, dtype=torch.int32, device=DEV), touched, size
+    mirror_starts = torch.tensor(starts + [10**6] * extra_reqs, dtype=torch.int64, device=device)
+    return mirror_starts, torch.tensor(pos, dtype=torch.int32, device=device), touched, size
 
 
 def poisoned_scores(touched, gen):
     """-0.0 everywhere untouched, random values where a key lands."""
-    buf = torch.full((touched.numel(),), -0.0, device=DEV)
-    buf[touched] = torch.rand(int(touched.sum()), generator=gen).to(DEV) * 10
+    buf = torch.full((touched.numel(),), -0.0, device=touched.device)
+    buf[touched] = torch.rand(int(touched.sum()), generator=gen).to(touched.device) * 10
     return buf
 
 
@@ -489,7 +492,7 @@ def test_score_out_over_layers_is_the_sum_of_single_calls(mode, monkeypatch):
     q_indptr, n_q = (None, 3) if mode == "decode" else (torch.tensor([0, 5, 8, 20], dtype=torch.int32, device=DEV), 20)
     qs = [torch.randn(n_q, 8, 64, generator=gen).to(DEV).half() for _ in layers]
     starts, pos, touched, size = make_mirror(lens, idx, ptr, rng)
-    for backend in ("triton", "torch"):
+    for backend in OPS_BACKENDS:
         monkeypatch.setenv("VTOKEN_BACKEND", backend)
         step = ops.plan_token_attention(lay, idx, ptr, q_indptr, num_q_heads=8, dtype=torch.float16,
                                         num_q_tokens=n_q, scores=True, mirror_starts=starts, kv_pos=pos)
@@ -512,35 +515,37 @@ def test_score_out_over_layers_is_the_sum_of_single_calls(mode, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
-def test_plan_with_a_preallocated_workspace_equals_one_that_allocates(mode):
-    """workspace=: the float workspaces are views of it (poisoned first), the results bit-identical."""
+def test_plan_with_a_preallocated_workspace_equals_one_that_allocates(mode, monkeypatch):
+    """workspace=: the Triton plan's float workspaces are views of it (poisoned first), the results bit-identical."""
+    monkeypatch.setenv("VTOKEN_BACKEND", "triton")  # on CPU tensors dispatch would pick the C++ kernel
     gen, rng = torch.Generator().manual_seed(53), random.Random(53)
     cache, lay = make_cache("vllm_fused", 8, 16, 2, 64, torch.float32, gen)
     lens = [40, 3, 66]
     idx, ptr = make_lists(lens, lay.num_slots, pad_tail=5, rng=rng)
-    q_indptr, n_q = (None, 3) if mode == "decode" else (torch.tensor([0, 5, 8, 20], dtype=torch.int32), 20)
-    q = torch.randn(n_q, 8, 64, generator=gen)
+    q_indptr, n_q = (None, 3) if mode == "decode" else (torch.tensor([0, 5, 8, 20], dtype=torch.int32, device=DEV), 20)
+    q = torch.randn(n_q, 8, 64, generator=gen).to(DEV)
     starts, pos, touched, size = make_mirror(lens, idx, ptr, rng)
     n = tri_mod.workspace_numel(num_q_tokens=n_q, num_q_heads=8, nnz_max=idx.numel(), head_dim=64, max_reqs=3,
-                                scores=True, device="cpu")
-    assert n == 1 + n_q * 8 + 8 * idx.numel()  # CPU: one split, no partials
-    ws = torch.full((n + 7,), float("nan"))
+                                scores=True, device=DEV)
+    if DEV == "cpu":
+        assert n == 1 + n_q * 8 + 8 * idx.numel()  # CPU: one split, no partials
+    ws = torch.full((n + 7,), float("nan"), device=DEV)
     runs = []
     for workspace in (None, ws):
         step = ops.plan_token_attention(lay, idx, ptr, q_indptr, num_q_heads=8, dtype=torch.float32,
                                         num_q_tokens=n_q, scores=True, mirror_starts=starts, kv_pos=pos,
                                         workspace=workspace)
-        acc = torch.zeros(size)
+        acc = torch.zeros(size, device=DEV)
         runs.append((step.run(q, cache, score_out=acc), acc))
         if workspace is not None:
             assert step.plan.lse.untyped_storage().data_ptr() == ws.untyped_storage().data_ptr()
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     with pytest.raises(InvalidArgumentError, match=r"workspace: expected at least \d+ float32 elements, got 4"):
         ops.plan_token_attention(lay, idx, ptr, q_indptr, num_q_heads=8, dtype=torch.float32, num_q_tokens=n_q,
-                                 scores=True, mirror_starts=starts, kv_pos=pos, workspace=torch.zeros(4))
+                                 scores=True, mirror_starts=starts, kv_pos=pos, workspace=torch.zeros(4, device=DEV))
     with pytest.raises(InvalidArgumentError, match="workspace: expected a 1-D float32 tensor"):
         ops.plan_token_attention(lay, idx, ptr, q_indptr, num_q_heads=8, dtype=torch.float32, num_q_tokens=n_q,
-                                 workspace=torch.zeros(n, dtype=torch.float16))
+                                 workspace=torch.zeros(n, dtype=torch.float16, device=DEV))
 
 
 def test_plan_runs_with_lists_overwritten_in_place():
@@ -600,17 +605,19 @@ def test_ops_dispatch(monkeypatch):
     idx, ptr = make_lists([9, 40], lay.num_slots, pad_tail=3, rng=rng)
     q = torch.randn(2, 4, 64, generator=gen).to(DEV)
     results = {}
-    for backend in ("triton", "torch"):
+    for backend in OPS_BACKENDS:
         monkeypatch.setenv("VTOKEN_BACKEND", backend)
-        assert ops.select_backend("token_attention", q.device, has_cuda_impl=False) == backend
+        assert ops.select_backend("token_attention", q.device, has_cuda_impl=True) == backend
         results[backend] = ops.token_attention(q, cache, lay, idx, ptr, return_key_scores=True)
-    monkeypatch.setenv("VTOKEN_BACKEND", "cuda")
-    with pytest.raises(InvalidArgumentError, match="VTOKEN_BACKEND=cuda"):
-        ops.token_attention(q, cache, lay, idx, ptr)
+    if "cuda" not in OPS_BACKENDS:  # no extension op: forcing it raises
+        monkeypatch.setenv("VTOKEN_BACKEND", "cuda")
+        with pytest.raises(InvalidArgumentError, match="VTOKEN_BACKEND=cuda"):
+            ops.token_attention(q, cache, lay, idx, ptr)
     monkeypatch.delenv("VTOKEN_BACKEND")
     assert isinstance(ops.token_attention(q, cache, lay, idx, ptr), torch.Tensor)
-    torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=2e-5, atol=2e-5)
-    torch.testing.assert_close(results["triton"][1], results["torch"][1], **KEY_SCORE_TOL)
+    for backend in OPS_BACKENDS[1:]:
+        torch.testing.assert_close(results["triton"][0], results[backend][0], rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(results["triton"][1], results[backend][1], **KEY_SCORE_TOL)
 
 
 def _valid_args():
@@ -680,7 +687,7 @@ VALID_STARTS = torch.tensor([0, 3], dtype=torch.int64, device=DEV)  # request 0 
 VALID_POS = torch.tensor([0, 1, 2, 0, -1], dtype=torch.int32, device=DEV)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", OPS_BACKENDS)
 @pytest.mark.parametrize("case", BAD_ARGS, ids=[c[0] for c in BAD_ARGS])
 def test_bad_arguments_raise_typed_errors(case, backend, monkeypatch):
     """vtoken.ops checks the contract once, before any backend runs."""

@@ -147,7 +147,7 @@ def cache_device(kv_caches) -> torch.device:
 
 
 def layout_op_args(layout: KVLayout) -> tuple:
-    """The layout's ints in the order of the ``vtoken::compact_kv`` schema."""
+    """The layout's ints in the order of the ``vtoken::compact_kv`` / ``vtoken::token_attention`` schemas."""
     return (
         layout.num_blocks,
         layout.block_size,

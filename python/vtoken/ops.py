@@ -141,12 +141,13 @@ def token_attention(q, kv_cache, layout, kv_indices, kv_indptr, q_indptr=None, *
     ``score_out[mirror_starts[r] + kv_pos[j]]`` in place. Full semantics, NaN
     propagation included: :mod:`vtoken.reference.token_attention`. Contract:
     :func:`vtoken_kernels.contracts.validate_token_attention_args`.
-    Backends: Triton, else the torch reference (no CUDA C++ implementation).
-    A one-shot :func:`plan_token_attention` + ``run``; a caller with many layers
+    Backends: on CPU tensors the C++ kernel ``torch.ops.vtoken.token_attention``
+    (``vtoken._C``), on GPUs Triton (there is no CUDA C++ implementation), else the
+    torch reference. A one-shot :func:`plan_token_attention` + ``run``; a caller with many layers
     plans once per step instead.
     """
     check_tensor("q", q)
-    backend = select_backend("token_attention", q.device, has_cuda_impl=False)
+    backend = select_backend("token_attention", q.device, has_cuda_impl=_attention_ext_runs_on(q.device))
     # The reference reads the index tensors on the host anyway: its content checks cost no extra sync.
     a = contracts.validate_token_attention_args(
         q, kv_cache, layout, kv_indices, kv_indptr, q_indptr, scale=scale, out=out, mirror_starts=mirror_starts,
@@ -246,7 +247,7 @@ def plan_token_attention(layout, kv_indices, kv_indptr, q_indptr=None, *, num_q_
         num_q_tokens = kv_indptr.numel() - 1
     num_q_tokens = check_int("num_q_tokens", num_q_tokens, min_value=0)
     num_q_heads = check_int("num_q_heads", num_q_heads, min_value=1)
-    backend = select_backend("token_attention", device, has_cuda_impl=False)
+    backend = select_backend("token_attention", device, has_cuda_impl=_attention_ext_runs_on(device))
     a = contracts.validate_token_attention_step_args(
         layout, kv_indices, kv_indptr, q_indptr, num_q_tokens=num_q_tokens, num_q_heads=num_q_heads,
         head_dim=getattr(layout, "head_dim", 0), device=device, scale=scale, mirror_starts=mirror_starts,
@@ -258,8 +259,61 @@ def plan_token_attention(layout, kv_indices, kv_indptr, q_indptr=None, *, num_q_
     return step
 
 
+def _attention_ext_runs_on(device: torch.device) -> bool:
+    # NOTE: vtoken::token_attention is registered for CPU tensors only; GPUs take Triton.
+    return torch.device(device).type == "cpu"
+
+
+class TokenAttentionExtensionPlan:
+    """The extension backend's plan (CPU): ``run`` calls ``torch.ops.vtoken.token_attention``.
+
+    Same interface as :class:`vtoken_kernels.token_attention.TokenAttentionPlan`;
+    validation happened in :func:`plan_token_attention` / :func:`token_attention`.
+    With ``scores``, a ``[nnz_max, num_kv_heads]`` float32 workspace is kept for
+    ``score_out`` runs that do not return the key scores.
+    """
+
+    def __init__(self, a, layout, kv_indices, kv_indptr, q_indptr, *, scores, mirror_starts, kv_pos,
+                 workspace=None):
+        self.a, self.kv_indices, self.kv_indptr, self.q_indptr = a, kv_indices, kv_indptr, q_indptr
+        self.mirror_starts, self.kv_pos = mirror_starts, kv_pos
+        self.layout_args = contracts.layout_op_args(layout)
+        self.workspace = None
+        if scores:  # a caller's preallocated float32 workspace serves, as it does the Triton plan
+            need = a.nnz_max * a.num_kv_heads
+            if workspace is None:
+                self.workspace = torch.empty(a.nnz_max, a.num_kv_heads, dtype=torch.float32, device=kv_indices.device)
+            elif workspace.dtype != torch.float32 or workspace.dim() != 1 or workspace.device != kv_indices.device:
+                raise InvalidArgumentError(f"workspace: expected a 1-D float32 tensor on {kv_indices.device}, got "
+                                           f"{workspace.dtype} {tuple(workspace.shape)} on {workspace.device}")
+            elif workspace.numel() < need:
+                raise InvalidArgumentError(f"workspace: expected at least {need} float32 elements, "
+                                           f"got {workspace.numel()}")
+            else:
+                self.workspace = workspace[:need].view(a.nnz_max, a.num_kv_heads)
+
+    def run(self, q, kv_cache, *, out=None, return_key_scores=False, score_out=None):
+        """One layer: ``out`` or ``(out, key_scores)``; adds into ``score_out`` when given."""
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        ks = None
+        if return_key_scores:
+            ks = torch.empty(self.a.nnz_max, self.a.num_kv_heads, dtype=torch.float32, device=q.device)
+        elif score_out is not None:
+            ks = self.workspace
+        scored = score_out is not None
+        torch.ops.vtoken.token_attention(
+            q, kv_cache, self.kv_indices, self.kv_indptr, self.q_indptr, out, ks, score_out,
+            self.mirror_starts if scored else None, self.kv_pos if scored else None, self.a.scale,
+            *self.layout_args)
+        return (out, ks) if return_key_scores else out
+
+
 def _make_plan(backend, a, layout, kv_indices, kv_indptr, q_indptr, dtype, device, scale, scores,
                mirror_starts, kv_pos, workspace=None):
+    if backend == "cuda":
+        return TokenAttentionExtensionPlan(a, layout, kv_indices, kv_indptr, q_indptr, scores=scores,
+                                           mirror_starts=mirror_starts, kv_pos=kv_pos, workspace=workspace)
     if backend == "triton":
         from vtoken_kernels.token_attention import TokenAttentionPlan
 
