@@ -205,3 +205,17 @@ def test_the_engine_reports_partial_prompts_and_admissible_waiting_prompts_as_de
     assert eng.reclaimer.trigger.waiting_blocks == 1 + 3
     eng.step()  # A completes; B admitted with 4 of 12 (owes 3 - 1); no free slot: C does not count
     assert eng.reclaimer.trigger.waiting_blocks == 2
+
+
+@pytest.mark.parametrize("bad", [float("nan"), np.float64("nan"), ("a", float("nan")), (1, (float("nan"),)), [1]])
+def test_an_unusable_request_id_is_rejected_and_the_queue_keeps_working(model, bad):
+    """A NaN id (also inside a tuple) or an unhashable one: rejected at add_request, before it is queued;
+    the request admitted before it still runs to completion."""
+    eng = _engine(model, "native")
+    first = eng.add_request(np.arange(3), 2, request_id="first")
+    with pytest.raises(InvalidArgumentError, match="request_id: expected"):
+        eng.add_request(np.arange(3), 2, request_id=bad)
+    assert list(eng.requests) == ["first"] and len(eng.waiting) == 1
+    while eng.has_work():
+        eng.step()
+    assert len(eng.requests[first].output) == 2

@@ -77,7 +77,7 @@ from vtoken.engine.model import LlamaModel
 from vtoken.decision_loop import DecisionLoop
 from vtoken.engine.runner import ModelRunner, RunnerConfig, StepResult
 from vtoken.engine.step_eviction import StepEviction
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int, is_int
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int, check_request_id, is_int
 from vtoken.policies import AT_MODES, EvictionPolicy, ReplayPolicy, TraceRecorder
 from vtoken.policies import get as get_policy
 from vtoken.reclaim import MODES, ReclaimConfig, ReclamationManager
@@ -382,6 +382,7 @@ class Engine:
             while self._next_id in self.requests:
                 self._next_id += 1
             request_id = self._next_id
+        check_request_id("request_id", request_id)  # NOTE: a NaN id would be lost by every dict lookup
         if request_id in self.requests:
             raise InvalidArgumentError(f"request_id: expected a new id, got {request_id!r}")
         req = Request(request_id, prompt, int(max_new_tokens), arrival_time=time.perf_counter())
