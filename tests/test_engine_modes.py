@@ -219,3 +219,27 @@ def test_an_unusable_request_id_is_rejected_and_the_queue_keeps_working(model, b
     while eng.has_work():
         eng.step()
     assert len(eng.requests[first].output) == 2
+
+
+@pytest.mark.parametrize("field, value, err", [
+    ("num_blocks", 1, InvalidArgumentError), ("num_blocks", 2.5, TypeError), ("block_size", 0, InvalidArgumentError),
+    ("layout", "bogus", InvalidArgumentError), ("max_num_reqs", 0, InvalidArgumentError),
+    ("max_num_tokens", True, TypeError), ("cuda_graph", "yes", TypeError), ("policy", "no-such-policy", InvalidArgumentError),
+    ("policy_config", {"no_such_key": 1}, InvalidArgumentError),
+])
+def test_engine_config_checks_every_field_when_built(field, value, err):
+    """EngineConfig rejects a bad field in __post_init__, naming it, before any Engine is built."""
+    kw = {field: value}
+    if field == "policy_config":
+        kw["policy"] = "h2o"
+    name = "h2o" if field == "policy_config" else field
+    with pytest.raises(err, match=name):
+        EngineConfig(**kw)
+
+
+@pytest.mark.parametrize("max_steps", [-1, 0, 1.5, True])
+def test_generate_rejects_a_bad_max_steps_before_queueing(model, max_steps):
+    eng = _engine(model, "native")
+    with pytest.raises((InvalidArgumentError, TypeError), match="max_steps: expected an int >= 1"):
+        eng.generate([np.arange(3)], 2, max_steps=max_steps)
+    assert not eng.requests and not eng.has_work()

@@ -137,6 +137,21 @@ class EngineConfig:
     chunked_prefill: bool = False
 
     def __post_init__(self):
+        # NOTE: every field is checked here, when the config is built, not later in Engine():
+        # the KV cache fields by the RunnerConfig the engine derives, the limits by BatchLimits.
+        RunnerConfig(num_blocks=self.num_blocks, block_size=self.block_size, layout=self.layout,
+                     max_num_reqs=self.max_num_reqs, max_num_tokens=self.max_num_tokens)
+        BatchLimits(self.max_num_reqs, self.max_num_tokens, self.block_size,
+                    chunked=self.chunked_prefill if isinstance(self.chunked_prefill, bool) else False)
+        if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
+            raise InvalidTypeError(f"cuda_graph: expected a bool or None, got {type(self.cuda_graph).__name__}")
+        if self.policy is not None and not isinstance(self.policy, str):
+            raise InvalidTypeError(f"policy: expected a registered policy name or None (pass a policy object to "
+                                   f"Engine), got {type(self.policy).__name__}")
+        if not isinstance(self.policy_config, dict):
+            raise InvalidTypeError(f"policy_config: expected a dict, got {type(self.policy_config).__name__}")
+        if self.policy is not None:
+            get_policy(self.policy, **self.policy_config)  # an unknown name or a bad config raises now
         if self.decision not in ("device", "host"):
             raise InvalidArgumentError(f"decision: expected 'device' or 'host', got {self.decision!r}")
         if not isinstance(self.decision_graph, bool):
@@ -159,8 +174,6 @@ class EngineConfig:
             self.reclaim = dataclasses.replace(self.reclaim, mode=self.mode)
         else:
             raise InvalidTypeError(f"reclaim: expected a ReclaimConfig or dict, got {type(self.reclaim).__name__}")
-        if not isinstance(self.policy_config, dict):
-            raise InvalidTypeError(f"policy_config: expected a dict, got {type(self.policy_config).__name__}")
 
 
 @dataclass
@@ -551,6 +564,8 @@ class Engine:
         prompts = [self._checked_prompt(p, m, f"prompts[{i}]") for i, (p, m) in enumerate(zip(prompts, mnt))]
         if concurrency is not None and not (is_int(concurrency) and concurrency >= 1):
             raise InvalidArgumentError(f"concurrency: expected an int >= 1 or None, got {concurrency!r}")
+        if max_steps is not None:
+            check_int("max_steps", max_steps, min_value=1)
         ids, submitted = [], 0
         limit = n if concurrency is None else min(concurrency, n)
         while submitted < limit:
