@@ -41,6 +41,10 @@ def as_index_array(arg: str, value, *, allow_empty: bool = True) -> np.ndarray:
     """
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         value = [int(value)]
+    # NOTE: np.asarray turns a bytearray or memoryview into uint8 "ids" silently: text in the wrong type
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise InvalidTypeError(f"{arg}: expected integer ids (or, with a tokenizer, a str), got "
+                               f"{type(value).__name__} (decode bytes to str first)")
     arr = np.asarray(value)
     if arr.size == 0:
         if not allow_empty:
