@@ -243,3 +243,14 @@ def test_generate_rejects_a_bad_max_steps_before_queueing(model, max_steps):
     with pytest.raises((InvalidArgumentError, TypeError), match="max_steps: expected an int >= 1"):
         eng.generate([np.arange(3)], 2, max_steps=max_steps)
     assert not eng.requests and not eng.has_work()
+
+
+def test_a_prompt_past_the_models_context_is_refused(model):
+    """A prompt longer than max_position_embeddings: refused at add_request, nothing queued."""
+    small = LlamaModel(ModelConfig(**{**TINY, "max_position_embeddings": 16}))
+    eng = _engine(small, "native")
+    with pytest.raises(InvalidArgumentError, match=r"prompt: expected at most max_position_embeddings \(16\) tokens, got 17"):
+        eng.add_request(np.arange(17), 2)
+    assert not eng.requests and not eng.has_work()
+    eng.add_request(np.arange(16), 2)
+    assert len(eng.waiting) == 1

@@ -374,6 +374,12 @@ class Engine:
         vocab = self.runner.model.config.vocab_size
         if prompt.min() < 0 or prompt.max() >= vocab:
             raise InvalidArgumentError(f"{arg}: expected token ids in [0, {vocab}), got {prompt[(prompt < 0) | (prompt >= vocab)][:8].tolist()}")
+        # NOTE: the rotary embedding computes any position, so a prompt past the model's context would run
+        # on positions it never saw in training; a runner without a model (TraceRunner) has no such limit.
+        max_pos = getattr(self.runner.model.config, "max_position_embeddings", None)
+        if max_pos is not None and len(prompt) > max_pos:
+            raise InvalidArgumentError(f"{arg}: expected at most max_position_embeddings ({max_pos}) tokens, "
+                                       f"got {len(prompt)}")
         longest = len(prompt) + int(max_new_tokens) - 1  # what a recompute may have to prefill
         if not self.limits.chunked and longest > self.config.max_num_tokens:
             raise InvalidArgumentError(
