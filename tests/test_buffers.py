@@ -312,6 +312,46 @@ def test_an_event_batch_with_an_unknown_kind_changes_nothing():
     assert torch.equal(slots, m.slots) and torch.equal(alive, m.alive)
 
 
+def _two_request_mirror():
+    m = DeviceMirror(None, "cpu", initial_tokens=64, min_slack=4)
+    m.apply([("add", 0, "a"), ("append", np.array([0]), np.array([2]), np.array([4, 5], dtype=np.int32)),
+             ("add", 1, "b"), ("append", np.array([1]), np.array([3]), np.array([8, 9, 10], dtype=np.int32))])
+    m.flush()
+    return m
+
+
+def _state(m):
+    return (m.slots.clone(), m.alive.clone(), sorted(m.tracked()), m._n.copy(), m._nlive.copy(), m._end,
+            m.deltas.pending() if hasattr(m.deltas, "pending") else None)
+
+
+@pytest.mark.parametrize("events, match", [
+    # row 2 is not tracked: its start (0) is request "a"'s segment
+    ([("evict", np.array([2]), np.array([0]))], r"events\[0\]: expected 'evict' of rows tracked by the mirror, got untracked row 2"),
+    ([("append", np.array([0, 5]), np.array([1, 1]), np.array([6, 7], dtype=np.int32))],
+     r"events\[0\]: expected 'append' of rows tracked .* got untracked row 5"),
+    ([("move", 3, np.array([0]), np.array([4], dtype=np.int32), np.array([12], dtype=np.int32))],
+     r"events\[0\]: expected 'move' of rows tracked .* got untracked row 3"),
+    ([("finish", 0), ("finish", 0)], r"events\[1\]: expected 'finish' of rows tracked .* got untracked row 0"),
+    ([("finish", 1), ("evict", np.array([1]), np.array([0]))], r"events\[1\]: expected 'evict' .* untracked row 1"),
+    ([("add", 1, "c")], r"events\[0\]: expected 'add' of a free row and a new request, got row 1"),
+    ([("add", 4, "a")], r"events\[0\]: expected 'add' of a free row and a new request, got row 4 for 'a'"),
+])
+def test_an_event_for_an_untracked_row_changes_nothing(events, match):
+    """An event naming a row the mirror does not track (or a second finish) is refused before any event of
+    its batch is applied; the mirror is bit-identical afterwards and still follows valid events."""
+    m = _two_request_mirror()
+    before = _state(m)
+    with pytest.raises(InvalidArgumentError, match=match):
+        m.apply(events)
+    after = _state(m)
+    assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else np.array_equal(x, y) if isinstance(x, np.ndarray)
+               else x == y for x, y in zip(before, after))
+    assert m.flush() == 0
+    m.apply([("finish", 0), ("add", 0, "c")])  # a finished row is free again, in the same batch
+    assert sorted(m.tracked()) == ["b", "c"]
+
+
 def test_a_mirror_that_goes_away_stops_pinning_the_journal():
     import gc
 

@@ -365,3 +365,65 @@ def test_padded_graph_steps_equal_eager_steps(name, cfg, monkeypatch):
     # Never one size lazily: the warm-up, then whole sets again after the buffers moved.
     assert loop._graphs.recaptures > 0
     assert captured == [1, 2, 4, 5] * (1 + loop._graphs.recaptures)
+
+
+# ------------------------------------------------------------------ bad input at decide / drain
+def _decided_pair():
+    """Two requests, a prompt step drained, and one decode token each synced and built (not yet decided)."""
+    rng = np.random.default_rng(3)
+    pair = Pair(P.get("streamingllm", sink=0, window=2, budget=None), 2, rng)
+    pair.step([0, 1], {0: 20, 1: 9}, coarse=True)
+    pair.loop.drain()
+    pair.a.sync_new_tokens_batch([0, 1], [1, 1])
+    pair.mirror.build(pair.bufs, [0, 1], [1, 1])
+    return pair
+
+
+def _loop_state(pair):
+    return (pair.loop.steps, pair.a.snapshot(), pair.mirror.alive.clone(), pair.loop.ring.peek())
+
+
+@pytest.mark.parametrize("seq_lens, match", [
+    ([22, 10], r"seq_lens: expected each request's token count on the host table, got 22 for 0, which holds 21"),
+    ([21, 9], r"seq_lens: expected each request's token count on the host table, got 9 for 1, which holds 10"),
+])
+def test_decide_with_seq_lens_off_the_host_counts_changes_nothing(seq_lens, match):
+    from table_helpers import assert_same
+
+    pair = _decided_pair()
+    steps, snap, alive = pair.loop.steps, pair.a.snapshot(), pair.mirror.alive.clone()
+    with pytest.raises(InvalidArgumentError, match=match):
+        pair.loop.decide([0, 1], pair.bufs, seq_lens=np.array(seq_lens), num_new=np.ones(2, dtype=np.int64))
+    assert pair.loop.steps == steps and pair.loop.ring.peek() == [] and torch.equal(alive, pair.mirror.alive)
+    assert_same(snap, pair.a.snapshot())
+    # the loop still works: the right lengths decide, and every later drain applies
+    pair.loop.decide([0, 1], pair.bufs, seq_lens=np.array([21, 10]), num_new=np.ones(2, dtype=np.int64))
+    assert sum(r.num_victims for r in pair.loop.drain_all()) > 0
+    pair.a.check_invariants()
+
+
+def test_decide_for_a_request_finished_since_the_build_changes_nothing():
+    pair = _decided_pair()
+    pair.a.finish(0)
+    steps, alive = pair.loop.steps, pair.mirror.alive.clone()
+    with pytest.raises(InvalidArgumentError, match=r"reqs: expected requests registered now .* got 0, finished since"):
+        pair.loop.decide([0, 1], pair.bufs, seq_lens=np.array([21, 10]), num_new=np.ones(2, dtype=np.int64))
+    assert pair.loop.steps == steps and pair.loop.ring.peek() == [] and torch.equal(alive, pair.mirror.alive)
+    assert pair.loop.drain() == []
+
+
+def test_blocks_reused_between_decide_and_drain_are_no_alarm_and_the_loop_keeps_draining(monkeypatch):
+    """Debug checks on: a request finishes after its decision and a new one takes its blocks before the drain.
+    The blocks the device saw emptied now hold the new request's live tokens rightly: no alarm, no jam."""
+    monkeypatch.setenv("VTOKEN_DEBUG_INVARIANTS", "1")
+    pair = _decided_pair()
+    pair.loop.decide([0, 1], pair.bufs, seq_lens=np.array([21, 10]), num_new=np.ones(2, dtype=np.int64))
+    freed = set(pair.a.block_list(0).tolist())
+    pair.a.finish(0)
+    pair.a.add_request(7)
+    pair.a.sync_new_tokens(7, 40)
+    assert freed & set(pair.a.block_list(7).tolist())  # the new request holds blocks the decision emptied
+    applied = pair.loop.drain()
+    assert [r.reqs for r in applied] == [[0, 1]] and applied[0].applied.tolist() == [False, True]
+    assert pair.loop.drain() == [] and pair.loop.ring.peek() == []
+    pair.a.check_invariants()

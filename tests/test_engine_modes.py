@@ -207,3 +207,52 @@ def test_the_engine_reports_partial_prompts_and_admissible_waiting_prompts_as_de
     assert eng.reclaimer.trigger.waiting_blocks == 1 + 3
     eng.step()  # A completes; B admitted with 4 of 12 (owes 3 - 1); no free slot: C does not count
     assert eng.reclaimer.trigger.waiting_blocks == 2
+
+
+@pytest.mark.parametrize("bad", [float("nan"), np.float64("nan"), ("a", float("nan")), (1, (float("nan"),)), [1]])
+def test_an_unusable_request_id_is_rejected_and_the_queue_keeps_working(model, bad):
+    """A NaN id (also inside a tuple) or an unhashable one: rejected at add_request, before it is queued;
+    the request admitted before it still runs to completion."""
+    eng = _engine(model, "native")
+    first = eng.add_request(np.arange(3), 2, request_id="first")
+    with pytest.raises(InvalidArgumentError, match="request_id: expected"):
+        eng.add_request(np.arange(3), 2, request_id=bad)
+    assert list(eng.requests) == ["first"] and len(eng.waiting) == 1
+    while eng.has_work():
+        eng.step()
+    assert len(eng.requests[first].output) == 2
+
+
+@pytest.mark.parametrize("field, value, err", [
+    ("num_blocks", 1, InvalidArgumentError), ("num_blocks", 2.5, TypeError), ("block_size", 0, InvalidArgumentError),
+    ("layout", "bogus", InvalidArgumentError), ("max_num_reqs", 0, InvalidArgumentError),
+    ("max_num_tokens", True, TypeError), ("cuda_graph", "yes", TypeError), ("policy", "no-such-policy", InvalidArgumentError),
+    ("policy_config", {"no_such_key": 1}, InvalidArgumentError),
+])
+def test_engine_config_checks_every_field_when_built(field, value, err):
+    """EngineConfig rejects a bad field in __post_init__, naming it, before any Engine is built."""
+    kw = {field: value}
+    if field == "policy_config":
+        kw["policy"] = "h2o"
+    name = "h2o" if field == "policy_config" else field
+    with pytest.raises(err, match=name):
+        EngineConfig(**kw)
+
+
+@pytest.mark.parametrize("max_steps", [-1, 0, 1.5, True])
+def test_generate_rejects_a_bad_max_steps_before_queueing(model, max_steps):
+    eng = _engine(model, "native")
+    with pytest.raises((InvalidArgumentError, TypeError), match="max_steps: expected an int >= 1"):
+        eng.generate([np.arange(3)], 2, max_steps=max_steps)
+    assert not eng.requests and not eng.has_work()
+
+
+def test_a_prompt_past_the_models_context_is_refused(model):
+    """A prompt longer than max_position_embeddings: refused at add_request, nothing queued."""
+    small = LlamaModel(ModelConfig(**{**TINY, "max_position_embeddings": 16}))
+    eng = _engine(small, "native")
+    with pytest.raises(InvalidArgumentError, match=r"prompt: expected at most max_position_embeddings \(16\) tokens, got 17"):
+        eng.add_request(np.arange(17), 2)
+    assert not eng.requests and not eng.has_work()
+    eng.add_request(np.arange(16), 2)
+    assert len(eng.waiting) == 1

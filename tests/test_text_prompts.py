@@ -94,3 +94,37 @@ def test_decision_plan_at_decode_and_at_prefill():
     assert policies.get("snapkv").at == "prefill" and policies.get("h2o").at == "decode"
     assert policies.get("tova", at="prefill").max_victims_per_step is None
     assert policies.get("tova").max_victims_per_step == 1
+
+
+# ---------------------------------------------------------------- bad input: typed, one line
+@pytest.mark.parametrize("content, match", [
+    (b"Name a river.\n\xff\xfe oops\n", r"prompts \(p.txt line 2\): expected UTF-8 text, got the byte b'\\xff'"),
+    (b"[" * 100000 + b"]" * 100000 + b"\n", r"prompts \(p.txt line 1\): expected chat messages .* nested too deeply"),
+    (json.dumps([{"role": "wizard", "content": "hi"}]).encode() + b"\n",
+     r"prompts \(p.txt line 1\)\[0\]\.role: expected one of \('system', 'user', 'assistant', 'tool'\), got 'wizard'"),
+    (json.dumps([{"role": "user", "content": "a\ud800b"}]).encode() + b"\n",
+     r"prompts \(p.txt line 1\)\[0\]\.content: expected valid Unicode text, got a lone surrogate '\\ud800' at index 1"),
+])
+def test_a_bad_prompt_file_is_refused_naming_the_line(tmp_path, content, match):
+    bad = tmp_path / "p.txt"
+    bad.write_bytes(content)
+    with pytest.raises(InvalidArgumentError, match=match):
+        read_prompts(str(bad))
+
+
+def test_chat_messages_check_role_and_text():
+    from vtoken.checkpoints.tokenizer import check_messages, check_text
+
+    with pytest.raises(InvalidArgumentError, match=r"m\[1\]\.role: expected one of"):
+        check_messages("m", [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}])
+    with pytest.raises(InvalidArgumentError, match=r"t: expected valid Unicode text, got a lone surrogate"):
+        check_text("t", "ok \udfff")
+    assert check_messages("m", [{"role": "system", "content": "é"}]) == [{"role": "system", "content": "é"}]
+
+
+@pytest.mark.parametrize("ids", [bytearray(b"\x01\x02"), b"\x01\x02", memoryview(b"\x01\x02")])
+def test_bytes_are_never_token_ids(ids):
+    from vtoken.errors import InvalidTypeError, as_index_array
+
+    with pytest.raises(InvalidTypeError, match=r"prompt: expected integer ids .* \(decode bytes to str first\)"):
+        as_index_array("prompt", ids)

@@ -353,8 +353,35 @@ class DeviceMirror:
         unknown = [ev[0] for ev in events if ev[0] not in self._HANDLERS]
         if unknown:  # before any event is applied
             raise InvalidArgumentError(f"events: expected kinds {sorted(self._HANDLERS)}, got {unknown[0]!r}")
+        self._check_rows(events)
         for ev in events:
             self._HANDLERS[ev[0]](self, *ev[1:])
+
+    def _check_rows(self, events: list) -> None:
+        """Raise, before any event is applied, unless every event names rows tracked at its turn: an ``add``
+        a free row and a new request, the others a tracked row (host bookkeeping only, no device work).
+
+        NOTE: an untracked row would otherwise write into another request's segment (its start is 0),
+        and a second ``finish`` would raise an untyped KeyError halfway through the batch."""
+        owner = dict(self._req_of)  # row -> request, as the batch goes
+        reqs = set(self._tracked)
+        for i, ev in enumerate(events):
+            kind = ev[0]
+            if kind == "add":
+                row, req = int(ev[1]), ev[2]
+                if row in owner or req in reqs:
+                    raise InvalidArgumentError(f"events[{i}]: expected 'add' of a free row and a new request, "
+                                               f"got row {row} for {req!r} (tracked already)")
+                owner[row] = req
+                reqs.add(req)
+                continue
+            rows = [int(ev[1])] if kind in ("move", "finish") else np.asarray(ev[1]).reshape(-1).tolist()
+            bad = [r for r in rows if r not in owner]
+            if bad:
+                raise InvalidArgumentError(f"events[{i}]: expected {kind!r} of rows tracked by the mirror, "
+                                           f"got untracked row {bad[0]}")
+            if kind == "finish":
+                reqs.discard(owner.pop(rows[0]))
 
     def _bootstrap(self, req) -> None:
         row = self.table.row_of(req)

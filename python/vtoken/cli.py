@@ -234,7 +234,7 @@ def _run_sla_modeled(args):
     from vtoken.experiments import common
     from vtoken.experiments.sla_modeled import ModeledSlaConfig, num_runs, run_modeled_sla
 
-    for name in ("model", "model_path", "prompt", "prompts", "device"):
+    for name in ("model_preset", "model", "model_path", "prompt", "prompts", "device"):
         if getattr(args, name) is not None:
             raise InvalidArgumentError(f"{name}: expected none with --cost-model h200 (the modeled run has no "
                                        f"model forward), got {getattr(args, name)!r}")
@@ -370,6 +370,11 @@ def _run_frontier(args) -> int:
                      "theta_F": args.theta_f, "check_interval": args.check_interval,
                      "max_src_per_plan": args.max_src},
         )
+        if cfg.trace_only:
+            for name in ("model_preset", "model", "model_path", "device"):
+                if getattr(args, name) is not None:
+                    raise common.InvalidArgumentError(f"{name}: expected none with --trace-only (no model forward), "
+                                                      f"got {getattr(args, name)!r}")
         model = None if cfg.trace_only else common.model_spec(args).build()
         with common.Progress(max_probes(cfg), "frontier") as progress:
             res = run_frontier(cfg, model=model, progress=progress)
@@ -393,34 +398,89 @@ def _add_model(sub) -> None:
     f.add_argument("name", choices=sorted(KNOWN))
     f.add_argument("--dir", default=None, help="cache directory (default: $VTOKEN_CACHE/models/NAME, "
                    "$VTOKEN_CACHE defaulting to ~/.cache/vtoken)")
-    f.set_defaults(func=_run_model_fetch)
+    f.set_defaults(func=_run_model_fetch, parser=f)
     e = msub.add_parser("export", help="write the checkpoint as a Hugging Face directory (config.json, "
                         "model.safetensors, tokenizer, chat template) that transformers and vLLM load")
     e.add_argument("name", help=f"one of {sorted(KNOWN)} (fetched if needed) or a path to a Llama .gguf file")
     e.add_argument("out_dir")
     e.add_argument("--dir", default=None, help="cache directory of the fetched checkpoint (see fetch)")
-    e.set_defaults(func=_run_model_export)
+    e.add_argument("--force", action="store_true", help="write into OUT_DIR even if it is not empty (its files of "
+                   "the same names are overwritten)")
+    e.set_defaults(func=_run_model_export, parser=e)
     p.set_defaults(func=lambda args: (p.print_help(sys.stderr), 2)[1])
+
+
+def _writable_dir(arg: str, path: str) -> None:
+    """Refuse ``path`` as a directory to write into unless it is one, or can be made one, writable."""
+    import os
+
+    from vtoken.errors import InvalidArgumentError
+
+    path = os.path.abspath(path)
+    probe = path
+    while not os.path.exists(probe):  # the nearest existing ancestor decides whether it can be made
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise InvalidArgumentError(f"{arg}: expected a directory that exists or can be created, got {path!r} "
+                                   f"({probe!r} is a file)")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"{arg}: expected a writable directory, got {path!r} ({probe!r} is not writable)")
+
+
+def _model_io(args, action):
+    """Run ``action()`` for a model subcommand: a bad option exits 2, a failed download or write exits 1,
+    each with one line on stderr."""
+    from vtoken.experiments import common
+
+    with common.cli_errors(args.parser):
+        try:
+            print(action())
+        except (OSError, RuntimeError) as e:
+            if isinstance(e, common.VTokenError):
+                raise
+            print(f"vtoken model {args.model_command}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                  file=sys.stderr)
+            return 1
+    return 0
 
 
 def _run_model_fetch(args) -> int:
     from vtoken.checkpoints import fetch
+    from vtoken.checkpoints.fetch import cache_dir
 
-    print(fetch(args.name, cache=args.dir))
-    return 0
+    def action():
+        _writable_dir("dir", cache_dir(args.name, args.dir))
+        return fetch(args.name, cache=args.dir)
+
+    return _model_io(args, action)
 
 
 def _run_model_export(args) -> int:
     import os
 
     from vtoken.checkpoints import KNOWN, export
+    from vtoken.checkpoints.loader import check_gguf_header
+    from vtoken.errors import InvalidArgumentError
 
-    if args.name not in KNOWN and not (args.name.endswith(".gguf") and os.path.isfile(args.name)):
-        print(f"vtoken model export: name: expected one of {sorted(KNOWN)} or a .gguf file, got {args.name!r}",
-              file=sys.stderr)
-        return 2
-    print(export(args.name, args.out_dir, cache=args.dir))
-    return 0
+    def action():
+        if args.name not in KNOWN and not (args.name.endswith(".gguf") and os.path.isfile(args.name)):
+            raise InvalidArgumentError(f"name: expected one of {sorted(KNOWN)} or a .gguf file, got {args.name!r}")
+        out = args.out_dir
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise InvalidArgumentError(f"out_dir: expected a directory, got the file {out!r}")
+        if os.path.isdir(out) and os.listdir(out) and not args.force:
+            raise InvalidArgumentError(f"out_dir: expected an empty or new directory (or --force), got {out!r} "
+                                       f"holding {len(os.listdir(out))} entries")
+        _writable_dir("out_dir", out)
+        if args.name in KNOWN:
+            from vtoken.checkpoints.fetch import cache_dir
+
+            _writable_dir("dir", cache_dir(args.name, args.dir))
+        else:
+            check_gguf_header(args.name)
+        return export(args.name, out, cache=args.dir)
+
+    return _model_io(args, action)
 
 
 def _add_quality(sub) -> None:
@@ -467,6 +527,9 @@ def _run_quality(args) -> int:
         except ValueError:
             raise common.InvalidArgumentError(f"ratios: expected comma-separated numbers, got {args.ratios!r}") \
                 from None
+        if args.model_preset is not None:  # quality measures a real checkpoint's text; a preset would be ignored
+            raise common.InvalidArgumentError(f"model_preset: expected none with quality (it serves a real "
+                                              f"checkpoint: --model or --model-path), got {args.model_preset!r}")
         if args.model is None and args.model_path is None:
             args.model = DEFAULT_MODEL
         cfg = QualityConfig(policies=items(args.policies), ratios=ratios, at=items(args.at),

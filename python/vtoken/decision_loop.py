@@ -271,6 +271,8 @@ class DecisionLoop:
             self._device_step(slot_lists, n, window_scores)
         meta = StepMeta(self.steps, reqs, self._generations(reqs), seq_lens.copy(), skip | defer)
         self.ring.ship(meta)
+        if self.table is not None and debug_checks_enabled():  # who held each block when the device decided
+            self._owners_at_decide = (self.steps, self.table.ledger.owner.copy())
         self.steps += 1
 
     def _generations(self, reqs) -> np.ndarray:
@@ -310,7 +312,26 @@ class DecisionLoop:
             if window_scores.shape[0] != slot_lists.nnz_max or not window_scores.dtype.is_floating_point:
                 raise InvalidArgumentError(f"window_scores: expected float [{slot_lists.nnz_max}, H] (rows as kv_pos), "
                                            f"got {window_scores.dtype} {tuple(window_scores.shape)}")
+        if self.table is not None and n:
+            self._check_against_table(reqs, seq_lens)
         return reqs, seq_lens, num_new, done, defer, prompt_done
+
+    def _check_against_table(self, reqs: list, seq_lens: np.ndarray) -> None:
+        """Every request still registered, and ``seq_lens`` its token count on the host table (host only).
+
+        NOTE: a victim past a request's real length, or one of a request gone since the build, would make
+        its record fail at every later ``drain``; a ``seq_lens`` too long would move the protected tail
+        onto older tokens. The host's own counts decide, so this costs no device sync."""
+        gone = [r for r, g in zip(reqs, self.table.registry.generations_of(reqs)) if g < 0]
+        if gone:
+            raise InvalidArgumentError(f"reqs: expected requests registered now (as when the slot lists were "
+                                       f"built), got {gone[0]!r}, finished since")
+        have = self.table.arena.ntok[self.table.rows_of(reqs)]
+        bad = np.flatnonzero(have != seq_lens)
+        if bad.size:
+            i = int(bad[0])
+            raise InvalidArgumentError(f"seq_lens: expected each request's token count on the host table, got "
+                                       f"{int(seq_lens[i])} for {reqs[i]!r}, which holds {int(have[i])}")
 
     def _device_step(self, slot_lists, num_reqs: int, window_scores=None) -> None:
         """Everything on the device (fixed shapes, no host read): capturable in a CUDA graph."""
@@ -389,7 +410,10 @@ class DecisionLoop:
         rec = self.ring.next_ready()
         while rec is not None:
             applied.append(self._apply_record(rec))
+            check = self._emptied_check(rec, applied[-1])  # read before release: the record's buffer is reused
             self.ring.release()
+            if check is not None:  # NOTE: after release: a failed check must not leave the record to re-apply
+                self._check_emptied(check)
             rec = self.ring.next_ready()
         if self.ring.grow():
             self._graphs.invalidate()  # the record moved
@@ -416,8 +440,6 @@ class DecisionLoop:
         if live_counts.any():
             self.table.evict_flat([reqs[i] for i in live], live_ids, live_counts)
         self.num_applied += int(live_counts.sum())
-        if debug_checks_enabled() and rec.emptied_overflow == 0 and meta.step == self.steps - 1:
-            self._check_emptied(rec)  # only one step late: later appends may have refilled a kept tail block
         return AppliedRecord(reqs, meta.seq_lens[decided], dcounts, tids.astype(np.int64), meta.step, self.steps, keep)
 
     def pending_victims(self) -> dict:
@@ -432,9 +454,25 @@ class DecisionLoop:
                     pending[req] = np.concatenate([pending.get(req, ids[:0]), ids])
         return pending
 
-    def _check_emptied(self, rec) -> None:
-        """Debug: every block the device saw emptied is free on the host or a request's kept tail block."""
+    def _emptied_check(self, rec, applied: AppliedRecord) -> Optional[np.ndarray]:
+        """Debug: the blocks of ``rec`` the device saw emptied that the host must agree on, or None.
+
+        Only one step late (later appends may have refilled a kept tail block), and only blocks still held by
+        the same request since the decision: a block freed (its request finished) and handed to another
+        request in between holds that request's live tokens rightly."""
+        meta = rec.meta
+        if (self.table is None or not debug_checks_enabled() or rec.emptied_overflow != 0
+                or meta.step != self.steps - 1 or getattr(self, "_owners_at_decide", (None,))[0] != meta.step):
+            return None
         emptied = rec.emptied_blocks.astype(np.int64)
+        kept = [r for r, k in zip(applied.reqs, applied.applied) if k]
+        rows = self.table.rows_of(kept) if kept else np.zeros(0, np.int64)
+        owner = self.table.ledger.owner[emptied]
+        same = (owner == self._owners_at_decide[1][emptied]) & np.isin(owner, rows)
+        return emptied[same]
+
+    def _check_emptied(self, emptied: np.ndarray) -> None:
+        """Debug: every block the device saw emptied is free on the host or a request's kept tail block."""
         if emptied.size == 0:
             return
         led = self.table.ledger

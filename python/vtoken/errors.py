@@ -41,6 +41,10 @@ def as_index_array(arg: str, value, *, allow_empty: bool = True) -> np.ndarray:
     """
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         value = [int(value)]
+    # NOTE: np.asarray turns a bytearray or memoryview into uint8 "ids" silently: text in the wrong type
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise InvalidTypeError(f"{arg}: expected integer ids (or, with a tokenizer, a str), got "
+                               f"{type(value).__name__} (decode bytes to str first)")
     arr = np.asarray(value)
     if arr.size == 0:
         if not allow_empty:
@@ -74,6 +78,29 @@ def check_int(arg: str, value, *, min_value: int = 0, max_value=None) -> int:
         bound = f"in [{min_value}, {max_value}]" if max_value is not None else f">= {min_value}"
         raise InvalidArgumentError(f"{arg}: expected an int {bound}, got {int(value)}")
     return int(value)
+
+
+def _equal_to_itself(value) -> bool:
+    # NOTE: tuple equality compares items by identity first, so (nan,) == (nan,) holds for one
+    # object while a dict lookup with an equal-looking copy misses; look inside containers.
+    if isinstance(value, (tuple, frozenset)):
+        return all(_equal_to_itself(v) for v in value)
+    try:
+        return bool(value == value)
+    except Exception:  # an __eq__ that raises (e.g. a signaling Decimal NaN) is no usable key either
+        return False
+
+
+def check_request_id(arg: str, value):
+    """Return ``value`` if it can key a request: hashable and equal to itself (no NaN, also
+    inside a tuple); raise naming ``arg`` otherwise."""
+    try:
+        hash(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{arg}: expected a hashable request id, got {type(value).__name__}") from None
+    if not _equal_to_itself(value):
+        raise InvalidArgumentError(f"{arg}: expected an id equal to itself (no NaN), got {value!r}")
+    return value
 
 
 def has_duplicates(a: np.ndarray) -> bool:

@@ -13,7 +13,7 @@ from typing import Hashable
 
 import numpy as np
 
-from vtoken.errors import InvalidArgumentError, UnknownRequestError
+from vtoken.errors import InvalidArgumentError, UnknownRequestError, check_request_id
 
 
 class RequestRows:
@@ -79,13 +79,8 @@ class RequestRows:
 
     def check_new(self, req) -> None:
         """Raise unless ``req`` can be registered: hashable, equal to itself, not registered."""
-        try:
-            hash(req)
-        except TypeError:
-            raise InvalidArgumentError(f"req: expected a hashable request id, got {type(req).__name__}") from None
         # NOTE: an id that is not equal to itself (a float NaN) could never be found again.
-        if req != req:
-            raise InvalidArgumentError(f"req: expected an id equal to itself, got {req!r}")
+        check_request_id("req", req)
         if req in self._rows:
             raise InvalidArgumentError(f"req: expected a new request id, got already registered {req!r}")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +75,11 @@ def read_gguf_llama(path: str | os.PathLike, *, with_tensors: bool = True) -> GG
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise InvalidArgumentError(f"path: expected a GGUF file, got {path!r}")
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError, struct.error) as e:  # gguf's errors on a truncated file
+        raise InvalidArgumentError(f"path: expected a complete GGUF file, got {path!r} that cannot be read "
+                                   f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")
             and name not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                              "tokenizer.ggml.scores")}

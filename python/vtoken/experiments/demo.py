@@ -46,6 +46,7 @@ from vtoken.experiments.common import (
     ModelSpec,
     Progress,
     check_kv_cache,
+    check_memory,
     check_policy,
     check_pool,
     check_run_options,
@@ -58,6 +59,7 @@ from vtoken.experiments.common import (
     warm_up,
 )
 from vtoken.experiments.prompts import workload_prompts, workload_texts
+from vtoken.experiments.sla import PROMPT_OVERHEAD_BYTES
 from vtoken.reclaim_config import auto_headroom
 
 MODES = ("native", "naive", "vtoken")
@@ -92,6 +94,16 @@ class DemoConfig:
         if self.output_len is None:
             self.output_len = 48 if self.model.path is not None else 256
         check_run_options(self, ("requests", "prompt_len", "output_len", "block_size"))
+        # NOTE: bound the sizes before anything is allocated: one request's blocks, then every request's
+        # pool (int32 slot ids), then the random prompts in memory (a huge --requests would otherwise grow
+        # memory until the process is killed).
+        per_request = full_blocks(self.prompt_len, self.output_len, self.block_size)
+        check_pool("prompt_len + output_len", self.prompt_len + self.output_len, per_request + 1, self.block_size)
+        check_pool("requests", self.requests, fit_num_blocks(self.requests, per_request, self.block_size),
+                   self.block_size)
+        if self.prompts is None and self.model.path is None:
+            check_memory("requests", self.requests, self.requests * (8 * self.prompt_len + PROMPT_OVERHEAD_BYTES),
+                         "prompts")
         if self.num_blocks is not None:
             check_int("num_blocks", self.num_blocks, min_value=2)
             check_pool("num_blocks", self.num_blocks, self.num_blocks, self.block_size)
@@ -163,6 +175,9 @@ def run_demo(cfg: DemoConfig, *, progress: Optional[Progress] = None) -> DemoRes
 
     t0 = time.perf_counter()
     model, tokenizer, _ = cfg.model.load()
+    if tokenizer is None and cfg.prompts is None:  # random prompts: refuse their KV cache before making them
+        arg, value = ("requests", cfg.requests) if cfg.num_blocks is None else ("num_blocks", cfg.num_blocks)
+        check_kv_cache(arg, value, model, cfg.pool_for(cfg.prompt_len), cfg.block_size)
     prompts = workload_prompts(cfg.requests, tokenizer=tokenizer, texts=cfg.prompts, length=cfg.prompt_len,
                                vocab_size=model.config.vocab_size, seed=cfg.seed)
     lens = [len(p) for p in prompts]

@@ -31,7 +31,7 @@ def _user(text: str) -> list:
 
 def parse_prompt_line(line: str, where: str):
     """One line of a prompt file as chat messages (see module docstring); None for a blank line."""
-    from vtoken.checkpoints.tokenizer import check_messages
+    from vtoken.checkpoints.tokenizer import check_messages, check_text
 
     text = line.strip()
     if not text:
@@ -41,9 +41,12 @@ def parse_prompt_line(line: str, where: str):
             obj = json.loads(text)
         except json.JSONDecodeError:
             return _user(text)  # a prompt that merely starts with a bracket
+        except RecursionError:  # NOTE: json recurses per nesting level; a deep line would crash the reader
+            raise InvalidArgumentError(f"{where}: expected chat messages (a list of {{'role', 'content'}} objects), "
+                                       f"got JSON nested too deeply to read") from None
         messages = obj.get("messages") if isinstance(obj, dict) else obj
         return check_messages(where, messages)
-    return _user(text)
+    return _user(check_text(where, text))
 
 
 def read_prompts(path: str) -> list:
@@ -51,11 +54,20 @@ def read_prompts(path: str) -> list:
     if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
         raise InvalidArgumentError(f"prompts: expected a readable file of prompts, got {path!r}")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            msgs = parse_prompt_line(line, f"prompts ({os.path.basename(os.fspath(path))} line {i})")
-            if msgs is not None:
-                out.append(msgs)
+    with open(path, "rb") as f:
+        raw = f.read()
+    name = os.path.basename(os.fspath(path))
+    try:
+        content = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise InvalidArgumentError(f"prompts ({name} line {line}): expected UTF-8 text, got the byte "
+                                   f"{raw[e.start:e.start + 1]!r} at offset {e.start}") from None
+    # the lines text mode would give (universal newlines), not str.splitlines' wider set
+    for i, line in enumerate(content.replace("\r\n", "\n").replace("\r", "\n").split("\n"), 1):
+        msgs = parse_prompt_line(line, f"prompts ({name} line {i})")
+        if msgs is not None:
+            out.append(msgs)
     if not out:
         raise InvalidArgumentError(f"prompts: expected at least one prompt in {path!r}, got none")
     return out
