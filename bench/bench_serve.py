@@ -90,7 +90,8 @@ def client_command(port: int, model_dir: str, result_file: str, args) -> list[st
 def run_mode(mode: str, model_dir: str, args) -> dict:
     port = free_port()
     server = Server(server_command(model_dir, port, extra=extra_config(mode, args), num_blocks=args.num_blocks,
-                                   max_num_seqs=args.max_concurrency, served_name=NAME), port)
+                                   # vLLM refuses a max_model_len the KV cache cannot hold for one request.
+                                   max_model_len=args.input_len + args.output_len + 64, max_num_seqs=args.max_concurrency, served_name=NAME), port)
     try:
         t0 = time.perf_counter()
         server.wait_ready(args.start_timeout)
