@@ -30,7 +30,7 @@ VTOKEN_BUILD_CUDA=0 python -m pip install -q --no-build-isolation --no-deps -e .
 python -c "import vllm, torch; print(f'vllm {vllm.__version__}, torch {torch.__version__}')"
 echo "+ setup took $(( $(date +%s) - start )) s"
 python -m pytest -q -m vllm tests/test_vllm_connector.py tests/test_vllm_copy_confirmation.py \
-  tests/test_vllm_tp_agreement.py tests/test_vllm_e2e.py
+  tests/test_vllm_tp_agreement.py tests/test_vllm_e2e.py tests/test_vllm_server.py
 # Production lane: end to end again with vtoken's debug checks off, as deployed
 # (the base runs, the long run and TP=2; the chunking / async / Model Runner V2 /
 # full-decode-graph / failed-copy variants and the real model run once, above).

@@ -17,7 +17,11 @@ core, workers) before building a model. It:
 4. wraps ``profile_run`` of both runners to hold, during vLLM's profiling
    forward, the memory the worker's attention workspaces take later
    (:func:`vtoken.integrations.vllm.workspace.profile_reserve_bytes`), so the
-   KV cache is sized without it (docs/vllm.md, "Memory").
+   KV cache is sized without it (docs/vllm.md, "Memory");
+5. wraps ``EngineArgs.create_engine_config`` to validate the vtoken
+   connector's ``kv_connector_extra_config`` when vLLM builds its config, so
+   a bad key fails ``vllm serve`` / ``LLM(...)`` at once, naming the key,
+   not after the weights are loaded.
 
 The connector itself needs no registration: ``kv_connector_module_path``
 loads it. :func:`register` is idempotent and never raises on an unsupported
@@ -55,7 +59,33 @@ def register() -> None:
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, CPU_DISPATCH_PATH)
     _install_runner_hook()
+    _install_config_check()
     _REGISTERED = True
+
+
+CONNECTOR_MODULE = "vtoken.integrations.vllm.connector"
+
+
+def _install_config_check() -> None:
+    """Validate vtoken's extra config in ``create_engine_config`` (see module docstring, 5.)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    create = EngineArgs.create_engine_config
+    if getattr(create, "_vtoken_hook", False):
+        return
+
+    @functools.wraps(create)
+    def create_engine_config(self, *args, **kwargs):
+        config = create(self, *args, **kwargs)
+        kt = config.kv_transfer_config
+        if kt is not None and kt.kv_connector_module_path == CONNECTOR_MODULE:
+            from vtoken.integrations.vllm.config import VTokenVLLMConfig
+
+            VTokenVLLMConfig.from_extra_config(kt.kv_connector_extra_config)  # raises, naming the key
+        return config
+
+    create_engine_config._vtoken_hook = True
+    EngineArgs.create_engine_config = create_engine_config
 
 
 def _install_runner_hook() -> None:
