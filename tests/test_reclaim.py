@@ -428,7 +428,7 @@ def test_i1_detects_corrupted_copy(monkeypatch):
 
 
 def test_i4_rejects_bad_plans():
-    rt = _sparse_runtime()
+    rt = _sparse_runtime(planner="fresh")
     plans = rt.mgr.maybe_plan()
     p = plans[0]
     invariants.check_plans(plans, rt.table, pre_launch=False)
@@ -794,7 +794,7 @@ def test_a_plan_that_needs_more_than_the_leftover_budget_waits_its_turn(monkeypa
     real = trigger_mod.select_sources
     monkeypatch.setattr(trigger_mod, "select_sources", lambda *a, **k: calls.append(k["max_dst"]) or real(*a, **k))
     rt = Runtime(num_blocks=64, block_size=4, theta_F=0.0, low_watermark=1.0, headroom_blocks=4,
-                 check_interval=check_interval, max_src_per_plan=8)
+                 check_interval=check_interval, max_src_per_plan=8, planner="fresh")
     reqs = ["a", "b", "c"]
     for r in reqs:
         rt.add(r)
@@ -884,12 +884,24 @@ def test_waste_floor_holds_under_pressure():
 
 def test_automatic_headroom_follows_the_running_requests():
     t = TokenTable(BlockLedger(BlockPool(1000), 16))
-    mgr = ReclamationManager(t, ReclaimConfig())
+    mgr = ReclamationManager(t, ReclaimConfig(planner="fresh"))
     assert mgr.headroom == t.ledger.reserved == auto_headroom(0, 16) == 1
     for i in range(10):
         t.add_request(i)
     mgr.admission_budget()
     assert mgr.headroom == t.ledger.reserved == auto_headroom(10, 16) == 15
     with pytest.raises(InvalidArgumentError, match="block_size"):
-        ReclaimConfig().resolve(100)  # an automatic headroom needs the block size
+        ReclaimConfig(planner="fresh").resolve(100)  # an automatic headroom needs the block size
     assert ReclaimConfig(headroom_blocks=7).resolve(100) == (0, 7)
+
+
+def test_hole_filling_keeps_no_reserve_whatever_the_running_count():
+    t = TokenTable(BlockLedger(BlockPool(1000), 16))
+    mgr = ReclamationManager(t, ReclaimConfig())
+    assert mgr.config.planner == "holes" and mgr.headroom == t.ledger.reserved == 0
+    for i in range(40):
+        t.add_request(i)
+    assert mgr.admission_budget().free_blocks == t.ledger.num_free
+    assert mgr.headroom == t.ledger.reserved == 0
+    with pytest.raises(InvalidArgumentError, match="planner"):
+        ReclaimConfig(planner="dense")
