@@ -68,7 +68,8 @@ def test_demo_json(capsys):
     assert set(got) == {"config", "model", "modes", "outputs_identical", "identical", "seconds", "prompt_lens",
                         "prompts", "reclaim"}
     assert got["reclaim"]["theta_F"] == 0.01 and got["reclaim"]["low_watermark"] == 1.0  # the run's settings
-    assert got["reclaim"]["headroom_blocks"] is None  # automatic: sized to the running requests
+    assert got["reclaim"]["headroom_blocks"] is None  # automatic: 0 with hole filling
+    assert got["reclaim"]["planner"] == "holes" and got["config"]["planner"] == "holes"
     assert got["identical"] is True and got["prompts"] is None and got["prompt_lens"] == [24] * 3  # random ids
     assert list(got["modes"]) == ["native", "naive", "vtoken"]
     assert set(got["modes"]["native"]) == MODE_KEYS
@@ -89,17 +90,24 @@ def test_demo_json(capsys):
     assert vt["steady_utilization"] > nv["steady_utilization"]
     assert vt["ideal_blocks_per_request"] == nv["ideal_blocks_per_request"]  # same live tokens
     assert vt["retained_blocks_per_request"] >= vt["ideal_blocks_per_request"]
-    # Max concurrency by its definition; vtoken's headroom is inside the same budget.
-    assert nat["usable_blocks"] == nv["usable_blocks"] == 47
-    assert vt["usable_blocks"] == 47 - auto_headroom(3, 4)
-    for m in (nat, nv):
+    # Max concurrency by its definition; hole filling holds no headroom back.
+    assert nat["usable_blocks"] == nv["usable_blocks"] == vt["usable_blocks"] == 47
+    for m in (nat, nv, vt):
         assert m["max_concurrency"] == m["usable_blocks"] // m["peak_blocks_per_request"]
-    c, per = vt["max_concurrency"], vt["peak_blocks_per_request"]  # with the headroom those c requests need
-    assert c * per + auto_headroom(c, 4) <= 47 < (c + 1) * per + auto_headroom(c + 1, 4)
     for m in (nat, nv, vt):
         assert m["preemptions"] == 0 and 0 < m["utilization"] <= 1 and 0 <= m["waste_ratio_mean"] < 1
     assert vt["peak_blocks_per_request"] < nat["peak_blocks_per_request"]
     assert vt["max_concurrency"] > nat["max_concurrency"]
+
+
+def test_demo_json_fresh_planner(capsys):
+    """The former planner on demand: its automatic headroom is inside the same budget."""
+    got = run_json(capsys, *DEMO, "--planner", "fresh")
+    assert got["reclaim"]["planner"] == "fresh" and got["identical"] is True
+    vt = got["modes"]["vtoken"]
+    assert vt["usable_blocks"] == 47 - auto_headroom(3, 4)
+    c, per = vt["max_concurrency"], vt["peak_blocks_per_request"]  # with the headroom those c requests need
+    assert c * per + auto_headroom(c, 4) <= 47 < (c + 1) * per + auto_headroom(c + 1, 4)
 
 
 def test_demo_table(capsys):

@@ -119,7 +119,9 @@ def test_default_headroom_scales_with_concurrency():
     assert [auto_headroom(c, 16) for c in (0, 1, 10, 22)] == [1, 2, 15, 31]
     cfg = FrontierConfig(**SMALL)
     assert cfg.reclaim_config("vtoken").headroom_blocks is None  # automatic: the library's default
-    assert cfg.headroom("vtoken", 10) == 15
+    assert cfg.headroom("vtoken", 10) == cfg.headroom("vtoken", 22) == 0  # hole filling: no reserve
+    fresh = FrontierConfig(**SMALL, reclaim={"planner": "fresh"})
+    assert fresh.headroom("vtoken", 10) == 15
     assert FrontierConfig(**SMALL, reclaim={"headroom_blocks": 7}).headroom("vtoken", 10) == 7
     assert cfg.headroom("naive", 10) == 0
 
@@ -180,7 +182,8 @@ def test_upper_bound_plus_one_is_infeasible():
 def test_search_bisects_on_a_monotone_oracle(frontier):
     cfg = FrontierConfig(**SMALL)
     ub = upper_bound(cfg, "vtoken")
-    assert ub == 18  # 18 x ceil(129 / 16) + auto_headroom(18, 16) = 162 + 26 <= 192 blocks
+    assert ub == 21  # 21 x ceil(129 / 16) = 189 <= 192 blocks (hole filling: no reserve)
+    assert upper_bound(FrontierConfig(**SMALL, reclaim={"planner": "fresh"}), "vtoken") == 18  # + auto_headroom
     seen = []
 
     class P:  # the fields search_mode reads

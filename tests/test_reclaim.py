@@ -428,7 +428,7 @@ def test_i1_detects_corrupted_copy(monkeypatch):
 
 
 def test_i4_rejects_bad_plans():
-    rt = _sparse_runtime()
+    rt = _sparse_runtime(planner="fresh")
     plans = rt.mgr.maybe_plan()
     p = plans[0]
     invariants.check_plans(plans, rt.table, pre_launch=False)
@@ -794,7 +794,7 @@ def test_a_plan_that_needs_more_than_the_leftover_budget_waits_its_turn(monkeypa
     real = trigger_mod.select_sources
     monkeypatch.setattr(trigger_mod, "select_sources", lambda *a, **k: calls.append(k["max_dst"]) or real(*a, **k))
     rt = Runtime(num_blocks=64, block_size=4, theta_F=0.0, low_watermark=1.0, headroom_blocks=4,
-                 check_interval=check_interval, max_src_per_plan=8)
+                 check_interval=check_interval, max_src_per_plan=8, planner="fresh")
     reqs = ["a", "b", "c"]
     for r in reqs:
         rt.add(r)
@@ -884,23 +884,24 @@ def test_waste_floor_holds_under_pressure():
 
 def test_automatic_headroom_follows_the_running_requests():
     t = TokenTable(BlockLedger(BlockPool(1000), 16))
-    mgr = ReclamationManager(t, ReclaimConfig())
+    mgr = ReclamationManager(t, ReclaimConfig(planner="fresh"))
     assert mgr.headroom == t.ledger.reserved == auto_headroom(0, 16) == 1
     for i in range(10):
         t.add_request(i)
     mgr.admission_budget()
     assert mgr.headroom == t.ledger.reserved == auto_headroom(10, 16) == 15
     with pytest.raises(InvalidArgumentError, match="block_size"):
-        ReclaimConfig().resolve(100)  # an automatic headroom needs the block size
+        ReclaimConfig(planner="fresh").resolve(100)  # an automatic headroom needs the block size
     assert ReclaimConfig(headroom_blocks=7).resolve(100) == (0, 7)
 
 
 # ------------------------------------------------------- held commit (copies confirmed later)
+@pytest.mark.parametrize("planner", ["fresh", "holes"])
 @pytest.mark.parametrize("outcome", ["confirm", "abort"])
-def test_held_plans_change_nothing_until_confirmed_and_roll_back_cleanly(outcome):
+def test_held_plans_change_nothing_until_confirmed_and_roll_back_cleanly(outcome, planner):
     """``commit(hold=True)`` (the vLLM connector): the table and the sources stay until ``confirm``."""
     t = TokenTable(BlockLedger(BlockPool(40), 4))
-    mgr = ReclamationManager(t, ReclaimConfig(low_watermark=40, headroom_blocks=2, check_interval=1))
+    mgr = ReclamationManager(t, ReclaimConfig(low_watermark=40, headroom_blocks=2, check_interval=1, planner=planner))
     t.add_request("a")
     t.sync_new_tokens("a", 32)
     t.evict("a", [i for i in range(28) if i % 4])  # every full block keeps 1 of 4
@@ -929,3 +930,15 @@ def test_held_plans_change_nothing_until_confirmed_and_roll_back_cleanly(outcome
     assert mgr.in_flight() == [] and mgr.confirm(plans).size == 0 and mgr.abort(plans) == 0  # settled once
     t.check_invariants()
     t.ledger.check_conservation()
+
+
+def test_hole_filling_keeps_no_reserve_whatever_the_running_count():
+    t = TokenTable(BlockLedger(BlockPool(1000), 16))
+    mgr = ReclamationManager(t, ReclaimConfig())
+    assert mgr.config.planner == "holes" and mgr.headroom == t.ledger.reserved == 0
+    for i in range(40):
+        t.add_request(i)
+    assert mgr.admission_budget().free_blocks == t.ledger.num_free
+    assert mgr.headroom == t.ledger.reserved == 0
+    with pytest.raises(InvalidArgumentError, match="planner"):
+        ReclaimConfig(planner="dense")

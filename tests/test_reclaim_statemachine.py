@@ -64,13 +64,14 @@ class ReclaimMachine(RuleBasedStateMachine):
     @initialize(
         S=st.sampled_from([1, 2, 4, 8]),
         num_blocks=st.integers(8, 48),
-        headroom=st.integers(1, 4),
+        headroom=st.integers(0, 4),
+        planner=st.sampled_from(["holes", "fresh"]),
         check_interval=st.integers(1, 3),
         max_src=st.integers(2, 8),
         max_moves=st.integers(4, 64),
         layout=st.sampled_from(["nhd", "vllm_flash", "mla"]),
     )
-    def setup(self, S, num_blocks, headroom, check_interval, max_src, max_moves, layout):
+    def setup(self, S, num_blocks, headroom, check_interval, max_src, max_moves, layout, planner):
         self.S = S
         self.ledger = BlockLedger(BlockPool(num_blocks), S)
         self.table = TokenTable(self.ledger, initial_tokens=1)
@@ -78,7 +79,10 @@ class ReclaimMachine(RuleBasedStateMachine):
         self.caches = [torch.full(shape, -1.0) for _ in range(LAYERS)]
         self.layout = KVLayout.from_tensor(self.caches[0], layout)
         self.mirror = DeviceMirror(self.table, "cpu", initial_tokens=64, min_slack=2)
-        cfg = ReclaimConfig(theta_F=0.0, low_watermark=1.0, headroom_blocks=min(headroom, num_blocks - 1),
+        if planner == "fresh":
+            headroom = max(headroom, 1)  # fresh-block plans need a reserve
+        cfg = ReclaimConfig(planner=planner, theta_F=0.0, low_watermark=1.0,
+                            headroom_blocks=min(headroom, num_blocks - 1),
                             check_interval=check_interval, max_src_per_plan=max_src,
                             max_moves_per_step=max_moves, check_invariants=True)
         self.engine = FlakyCopyEngine(self.caches, self.layout, max_moves=max_moves)
@@ -188,7 +192,7 @@ class ReclaimMachine(RuleBasedStateMachine):
                 self.mgr.launch(plans)
             # Every not-yet-launched plan of the step is rolled back; earlier launches stay in flight.
             self.planned = []
-            in_flight = sum(len(p.src_blocks) + len(p.dst_blocks) for p in self.launched)
+            in_flight = sum(len(p.src_blocks) + len(p.dst_blocks) + len(p.fill_blocks) for p in self.launched)
             assert self.ledger.num_inflight == in_flight
         else:
             self.mgr.launch(plans)

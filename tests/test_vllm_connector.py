@@ -314,7 +314,7 @@ def test_hashes_of_changed_blocks_are_dropped(model_dir):
         out = real_plan()
         for p in out:
             freed_sources.update(p.src_blocks.tolist())
-            dests.update(p.dst_blocks.tolist())
+            dests.update(p.dst_blocks.tolist() + p.fill_blocks.tolist())  # fresh or hole-filled: bytes changed
         return out
 
     side.manager.maybe_plan = spy

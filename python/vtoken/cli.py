@@ -87,6 +87,9 @@ def _add_demo(sub) -> None:
     p.add_argument("--theta-f", type=float, default=d.theta_f,
                    help="the waste floor: vtoken never reclaims while the pool's waste ratio F is at or below it "
                    "(default: ReclaimConfig's, 0.01)")
+    p.add_argument("--planner", choices=("holes", "fresh"), default=d.planner,
+                   help="vtoken's relocation planner: holes (default: fill the holes of a request's own blocks, "
+                   "no reserve) or fresh (fill fresh blocks from an automatic reserve: the former planner)")
     add_model_args(p, prompts=True)
     add_output_args(p)
     p.set_defaults(func=_run_demo, parser=p)
@@ -101,7 +104,7 @@ def _run_demo(args) -> int:
         cfg = DemoConfig(policy=args.policy, evict_ratio=args.evict_ratio, window=args.window, sink=args.sink, at=args.at,
                          requests=args.requests, prompt_len=args.prompt_len, output_len=args.output_len,
                          block_size=args.block_size, num_blocks=args.num_blocks, theta_f=args.theta_f,
-                         seed=args.seed, model=common.model_spec(args), prompts=common.prompt_texts(args))
+                         planner=args.planner, seed=args.seed, model=common.model_spec(args), prompts=common.prompt_texts(args))
         with common.Progress(3, "demo") as progress:
             res = run_demo(cfg, progress=progress)
     if plt is not None:
@@ -332,8 +335,11 @@ def _add_frontier(sub) -> None:
                    help="skip the model forward: real block accounting, victims from the policy on synthetic "
                    "attention, recorded once and replayed in every mode")
     p.add_argument("--headroom", type=int, default=None,
-                   help="vtoken's destination reserve in blocks (default: automatic, ceil(1.5 R (S-1) / S) for R running "
-                   "requests)")
+                   help="vtoken's destination reserve in blocks (default: 0 with the holes planner; ceil(1.5 R (S-1) / S) "
+                   "for R running requests with the fresh planner)")
+    p.add_argument("--planner", choices=("holes", "fresh"), default=None,
+                   help="vtoken's relocation planner: holes (default: fill the holes of a request's own blocks) or "
+                   "fresh (fill fresh blocks from the reserve: the former planner)")
     p.add_argument("--low-watermark", type=float, default=None,
                    help="fewer free blocks than this fraction of the pool count as pressure (default 0: projected demand "
                    "only; 1.0: always)")
@@ -368,7 +374,7 @@ def _run_frontier(args) -> int:
             max_concurrency=args.max_concurrency, compare_continuous=not args.no_compare,
             reclaim={"headroom_blocks": args.headroom, "low_watermark": args.low_watermark,
                      "theta_F": args.theta_f, "check_interval": args.check_interval,
-                     "max_src_per_plan": args.max_src},
+                     "max_src_per_plan": args.max_src, "planner": args.planner},
         )
         if cfg.trace_only:
             for name in ("model_preset", "model", "model_path", "device"):

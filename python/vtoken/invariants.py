@@ -168,6 +168,9 @@ def check_plan(plan, table, *, pre_launch: bool = True) -> None:
         if a.dtype != np.int32 or a.ndim != 1:
             raise InvariantViolation(f"I4: plan.{name} must be a 1-D int32 array, got {a.dtype} {a.shape}")
     m = plan.num_moves
+    if plan.fills_holes:
+        _check_fill_plan(plan, table, row, pre_launch=pre_launch)
+        return
     if len(src) <= len(dst):
         raise InvariantViolation(f"I4: gate len(src)={len(src)} > N_dst={len(dst)} does not hold")
     if len(dst) != cdiv(m, S):
@@ -200,6 +203,52 @@ def check_plan(plan, table, *, pre_launch: bool = True) -> None:
         raise InvariantViolation("I4: destinations are not filled completely in logical order")
 
 
+def _check_fill_plan(plan, table, row: int, *, pre_launch: bool) -> None:
+    """I4 for a hole-filling plan (vtoken.hole_planner): every move lands in a hole of a fill block."""
+    led, S, req = table.ledger, table.S, plan.request
+    src = plan.src_blocks.astype(np.int64)
+    fill = plan.fill_blocks.astype(np.int64)
+    m = plan.num_moves
+    tail = table.tail_block(req)
+    if len(plan.dst_blocks) or len(src) < 1:
+        raise InvariantViolation("I4: a hole-filling plan takes no fresh block and frees at least one")
+    if len(np.unique(src)) != len(src) or len(np.unique(fill)) != len(fill) or np.intersect1d(src, fill).size:
+        raise InvariantViolation("I4: sources / fill blocks not unique and disjoint")
+    state = OWNED if pre_launch else SRC_INFLIGHT
+    if not ((led.state[src] == state) & (led.owner[src] == row)).all():
+        raise InvariantViolation(f"I4: a source is not a private block of {req!r} in the expected state")
+    if (src == tail).any():
+        raise InvariantViolation("I4: the tail block is a source")
+    if (led.live[src] >= S).any() or (led.live[src] <= 0).any():
+        raise InvariantViolation("I4: a source is full or empty")
+    if not ((led.state[fill] == state) & (led.owner[fill] == row)).all():
+        raise InvariantViolation(f"I4: a fill block is not a private block of {req!r} in the expected state")
+    if table.shared.hit_readable[fill].any():
+        raise InvariantViolation("I4: a fill block may be read by a prefix-cache hit")
+    if m != int(led.live[src].sum()) or m > len(src) * (S - 1):
+        raise InvariantViolation(f"I4: {m} moves but the sources hold {int(led.live[src].sum())} live tokens")
+    tids = plan.token_ids.astype(np.int64)
+    if m > 1 and (np.diff(tids) <= 0).any():
+        raise InvariantViolation("I4: moved token ids are not unique and ascending")
+    if not table.is_alive(req, tids).all():
+        raise InvariantViolation("I4: a moved token is dead")
+    slots = table.slots(req)
+    if not np.array_equal(slots[tids], plan.src_slots):
+        raise InvariantViolation("I4: src_slots differ from the table")
+    if not np.isin(plan.src_slots.astype(np.int64) // S, src).all():
+        raise InvariantViolation("I4: a moved token is outside the sources")
+    dst = plan.dst_slots.astype(np.int64)
+    if len(np.unique(dst)) != m or not np.isin(dst // S, fill).all():
+        raise InvariantViolation("I4: destination slots are not unique slots of the fill blocks")
+    live_slots = slots[table.live_mask(req)]
+    if np.isin(dst, live_slots).any():
+        raise InvariantViolation("I4: a destination slot holds a live token (not a hole)")
+    n = len(slots)
+    cursor = n - (cdiv(n, S) - 1) * S
+    if ((dst // S == tail) & (dst % S >= cursor)).any():
+        raise InvariantViolation("I4: a destination is a tail slot still to be filled by appends")
+
+
 def check_plans(plans, table, *, in_flight: Iterable = (), max_dst: Optional[int] = None,
                 max_moves: Optional[int] = None, pre_launch: bool = True) -> None:
     """I4 for a step's plans: each plan, one plan per request, budgets, disjoint blocks."""
@@ -212,7 +261,7 @@ def check_plans(plans, table, *, in_flight: Iterable = (), max_dst: Optional[int
     for p in plans:
         check_plan(p, table, pre_launch=pre_launch)
     if plans:
-        allb = np.concatenate([np.concatenate([p.src_blocks, p.dst_blocks]) for p in plans])
+        allb = np.concatenate([np.concatenate([p.src_blocks, p.dst_blocks, p.fill_blocks]) for p in plans])
         if len(np.unique(allb)) != len(allb):
             raise InvariantViolation("I4: two plans share a block")
         alld = np.concatenate([p.dst_slots for p in plans])

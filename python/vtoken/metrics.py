@@ -166,6 +166,7 @@ class MetricsLog:
             "plans": t.plans,
             "moves": t.moves,
             "freed_blocks": t.freed_blocks,
+            "dst_blocks": t.dst_blocks,
             "aborted_plans": t.aborted_plans,
             "final_waste_ratio": last.waste_ratio,
             "final_free_blocks": last.free_blocks,

@@ -61,6 +61,9 @@ class Plan:
         dst_slots  [M]  their new slots: ``dst_blocks[j // S] * S + j % S``
         src_blocks [k]  the sources, sparsest first; all are freed on commit
         dst_blocks [d]  the destinations, in fill order; ``d = ceil(M / S) < k``
+        fill_blocks [f] a hole-filling plan's destinations (:mod:`vtoken.hole_planner`): blocks
+                        the request already owns, whose holes take the moves; then
+                        ``dst_blocks`` is empty and the moves need no logical order
 
     """
 
@@ -71,7 +74,13 @@ class Plan:
     src_blocks: np.ndarray
     dst_blocks: np.ndarray
     block_size: int
+    fill_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     meta: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def fills_holes(self) -> bool:
+        """A hole-filling plan (no fresh destination)."""
+        return len(self.fill_blocks) > 0
 
     @property
     def num_moves(self) -> int:

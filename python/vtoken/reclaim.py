@@ -75,7 +75,7 @@ class ReclamationManager:
         >>> t.evict("a", [i for i in range(28) if i % 4])   # every block keeps 1 of 4
         >>> plans = mgr.maybe_plan(); ticket = mgr.launch(plans); freed = mgr.commit()
         >>> len(freed), t.held_blocks("a")
-        (7, 3)
+        (5, 3)
     """
 
     def __init__(

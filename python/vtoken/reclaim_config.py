@@ -11,6 +11,7 @@ from typing import Optional, Union
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_int, is_int
 
 MODES = ("native", "naive", "vtoken")
+PLANNERS = ("holes", "fresh")
 Count = Union[int, float]
 
 # NOTE: slots are int32 on the device, so one step can never address more moves
@@ -43,9 +44,15 @@ class ReclaimConfig:
             only; 1.0 treats memory as always low). Admissions are held back
             (backpressure) while reclamation is pending and free blocks are at
             or below it.
+        planner: ``holes`` (the default: sources are emptied into the holes
+            of the request's own denser blocks, :mod:`vtoken.hole_planner`; a
+            fresh-block plan only where it frees more and a reserve was set) or
+            ``fresh`` (every plan fills fresh blocks from the reserve: the
+            previous planner, kept for the paired measurements).
         headroom_blocks: destination reserve held back from admission and
-            growth; ``None`` (the default) sizes it to the running requests
-            every step (:func:`auto_headroom`).
+            growth; ``None`` (the default) is 0 for the ``holes`` planner and
+            sized to the running requests every step for ``fresh``
+            (:func:`auto_headroom`).
         check_interval: steps between trigger checks (every step while
             pending), and the look-ahead of the projected demand.
         max_src_per_plan: sources per plan at most (sparsest first).
@@ -59,11 +66,14 @@ class ReclaimConfig:
     Example:
         >>> ReclaimConfig(low_watermark=0.2, headroom_blocks=0.02).resolve(1000)
         (200, 20)
-        >>> ReclaimConfig().resolve(1000, block_size=16, running=8)   # auto headroom for 8 requests
+        >>> ReclaimConfig(planner="fresh").resolve(1000, block_size=16, running=8)   # auto headroom, 8 requests
         (0, 12)
+        >>> ReclaimConfig().resolve(1000, block_size=16, running=8)   # hole filling: no reserve
+        (0, 0)
     """
 
     mode: str = "vtoken"
+    planner: str = "holes"
     theta_F: float = 0.01
     low_watermark: Count = 0
     headroom_blocks: Optional[Count] = None
@@ -77,6 +87,8 @@ class ReclaimConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise InvalidArgumentError(f"mode: expected one of {MODES}, got {self.mode!r}")
+        if self.planner not in PLANNERS:
+            raise InvalidArgumentError(f"planner: expected one of {PLANNERS}, got {self.planner!r}")
         if isinstance(self.theta_F, bool) or not isinstance(self.theta_F, (int, float)):
             raise InvalidTypeError(f"theta_F: expected a float, got {type(self.theta_F).__name__}")
         if not 0.0 <= float(self.theta_F) < 1.0:
@@ -115,7 +127,9 @@ class ReclaimConfig:
             return int(v) if is_int(v) else int(math.ceil(v * usable_blocks))
 
         wm = blocks(self.low_watermark)
-        if self.headroom_blocks is None:
+        if self.headroom_blocks is None and self.planner == "holes":
+            hr = 0  # hole filling needs no spare block
+        elif self.headroom_blocks is None:
             if block_size is None:
                 raise InvalidArgumentError("block_size: expected the pool's block size to size the automatic "
                                            "headroom (headroom_blocks=None), got None")

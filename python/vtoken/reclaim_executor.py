@@ -23,6 +23,7 @@ import numpy as np
 from vtoken.errors import InvalidArgumentError
 from vtoken.ledger import DST_INFLIGHT
 from vtoken.metrics import StepRecord
+from vtoken.hole_planner import FillChoice, collect_fill_moves
 from vtoken.planner import Plan, SourceChoice, make_plan
 from vtoken.reclaim_checks import ReclaimChecks
 
@@ -74,6 +75,26 @@ class PlanExecutor:
         plan.meta["generation"] = table.generation(req)
         self.checks.check_plan(plan)
         table.relocation.begin_relocation(req, plan.src_blocks)
+        self._busy[req] = plan
+        self._planned.append(plan)
+        return plan
+
+    def make_fill(self, req, row: int, choice: FillChoice) -> Plan:
+        """Put ``choice``'s sources and non-tail fill blocks in flight (no block is reserved).
+
+        NOTE: the fill blocks go SRC_INFLIGHT too, so Naive-Evict never releases
+        one that empties while the copy into its holes is in flight.
+        """
+        table, S = self.table, self.table.S
+        tids, src, dst = collect_fill_moves(table.slots(req), table.live_mask(req), choice,
+                                            block_size=S, num_blocks=self.ledger.num_blocks)
+        plan = Plan(req, tids, src, dst, choice.src_blocks, np.zeros(0, dtype=np.int32), S,
+                    fill_blocks=choice.fill_blocks)
+        plan.meta["row"] = row
+        plan.meta["generation"] = table.generation(req)
+        self.checks.check_plan(plan)
+        table.relocation.begin_relocation(req, plan.src_blocks)
+        table.relocation.begin_fill(req, plan.fill_blocks)
         self._busy[req] = plan
         self._planned.append(plan)
         return plan
@@ -171,12 +192,15 @@ class PlanExecutor:
         alive = table.is_alive(req, plan.token_ids)
         if alive.all():
             released = table.relocation.apply_moves(req, plan.token_ids, plan.dst_slots)
-            # Every source emptied; a full commit leaves nothing in flight.
+            # Every source emptied; a full commit leaves nothing in flight but the fill blocks.
+            if plan.fills_holes:
+                released = np.concatenate([released, table.relocation.end_relocation(req, plan.fill_blocks)])
             return released
         # Some moved tokens died after planning: commit the survivors if the
         # destinations they use fit the source positions they free; else roll back.
         tids, dst = plan.token_ids[alive], plan.dst_slots[alive]
-        used = np.unique(dst.astype(np.int64) // S)
+        # Only fresh destinations need a source position; fill blocks already have theirs.
+        used = np.intersect1d(np.unique(dst.astype(np.int64) // S), plan.dst_blocks)
         emptied = np.unique(plan.src_slots[alive].astype(np.int64) // S)
         if len(used) > len(emptied):
             self._rollback([plan])
@@ -186,7 +210,7 @@ class PlanExecutor:
         if len(tids):
             released.append(table.relocation.apply_moves(req, tids, dst))
         table.relocation.release_destinations(req, np.setdiff1d(plan.dst_blocks, used))  # unused: back to the pool
-        released.append(table.relocation.end_relocation(req, plan.src_blocks))
+        released.append(table.relocation.end_relocation(req, np.concatenate([plan.src_blocks, plan.fill_blocks])))
         return np.concatenate(released)
 
     def _take_launched(self, plans: Sequence[Plan]) -> list[Plan]:
@@ -233,7 +257,7 @@ class PlanExecutor:
             d = plan.dst_blocks.astype(np.int64)
             d = d[(led.state[d] == DST_INFLIGHT) & (led.owner[d] == plan.meta["row"])]
             self.table.relocation.release_destinations(req, d)
-            self.table.relocation.end_relocation(req, plan.src_blocks)
+            self.table.relocation.end_relocation(req, np.concatenate([plan.src_blocks, plan.fill_blocks]))
 
     # ------------------------------------------------------------- helpers
     def _is_current(self, plan: Plan) -> bool:

@@ -24,6 +24,7 @@ import numpy as np
 from vtoken.errors import check_int
 from vtoken.ledger import OWNED
 from vtoken.metrics import StepRecord
+from vtoken.hole_planner import select_fill
 from vtoken.planner import Plan, per_request_gain, select_sources
 from vtoken.reclaim_config import AdmissionBudget, ReclaimConfig
 from vtoken.reclaim_executor import PlanExecutor
@@ -106,13 +107,24 @@ class ReclaimTrigger:
         plans: list[Plan] = []
         busy_rows = executor.busy_rows()
         used = 0
+        holes = cfg.planner == "holes"
         for row in self._queue.tolist():
-            if need <= 0 or dst_budget < 1 or move_budget < 2:  # the shortfall is covered, or a budget spent
+            if need <= 0 or move_budget < 1 or (dst_budget < 1 and not holes):  # covered, or a budget spent
                 break
             used += 1
             req = table.request_of(row)
             if req is None or row in busy_rows:  # finished since the scan / in flight (I4)
                 continue
+            if holes:
+                plan = self._plan_holes(req, row, executor, move_budget, dst_budget)
+                if plan is not None:
+                    plans.append(plan)
+                    need -= plan.gain
+                    dst_budget -= len(plan.dst_blocks)
+                    move_budget -= plan.num_moves
+                    continue
+                if dst_budget < 1:
+                    continue
             blocks, live = table.relocation.relocation_candidates(req)
             choice = select_sources(blocks, live, block_size=S, max_src=cfg.max_src_per_plan,
                                     max_moves=move_budget, max_dst=dst_budget)
@@ -139,6 +151,29 @@ class ReclaimTrigger:
         # Nothing profitable within the budgets: not pending (no backpressure on false hope).
         self.pending = bool(plans) or len(self._queue) > 0
         return plans
+
+    def _plan_holes(self, req, row: int, executor: PlanExecutor, move_budget: int, dst_budget: int):
+        """``req``'s hole-filling plan, or ``None`` when a fresh-block plan frees more (or nothing fits).
+
+        NOTE: over the same candidates hole filling frees ``floor(H / S)`` blocks
+        (H: their holes, plus the tail's), a fresh-block plan at most that many,
+        and the hole plan moves the fewest tokens (the sparsest sources, no
+        refill of fresh blocks). A fresh plan can win only when fill blocks are
+        excluded (prefix-cache readable) or the move budget cuts the hole plan
+        short, and only with a reserve (``headroom_blocks``) to take it.
+        """
+        cfg, S = self.config, self.table.S
+        blocks, live, fillable, tail, tail_holes, cursor = self.table.relocation.fill_candidates(req)
+        choice = select_fill(blocks, live, fillable, block_size=S, tail_block=tail, tail_holes=tail_holes,
+                             tail_cursor=cursor, max_src=cfg.max_src_per_plan, max_moves=move_budget)
+        if choice is None:
+            return None
+        if dst_budget >= 1:
+            fresh = select_sources(blocks, live, block_size=S, max_src=cfg.max_src_per_plan,
+                                   max_moves=move_budget, max_dst=dst_budget)
+            if fresh is not None and fresh.gain > choice.gain:
+                return None
+        return executor.make_fill(req, row, choice)
 
     def _scan(self) -> int:
         """Order the requests by their gain bound (one vectorized pass over the pool); return the total.

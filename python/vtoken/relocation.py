@@ -66,7 +66,8 @@ class RelocationTransitions:
         if (led.state[src_blocks] == SHARED).any():
             raise InvalidArgumentError("token_ids: expected tokens in private blocks, got tokens in shared blocks")
         dst_blocks = dst // S
-        ok = np.isin(led.state[dst_blocks], (OWNED, DST_INFLIGHT)) & (led.owner[dst_blocks] == row)
+        # SRC_INFLIGHT destinations: the fill blocks of a hole-filling plan (vtoken.hole_planner).
+        ok = np.isin(led.state[dst_blocks], (OWNED, DST_INFLIGHT, SRC_INFLIGHT)) & (led.owner[dst_blocks] == row)
         if not ok.all():
             raise InvalidArgumentError(
                 f"new_slots: expected slots in blocks owned by request {req!r}, got foreign blocks "
@@ -88,7 +89,7 @@ class RelocationTransitions:
         # moves tokens into it, and that makes it OWNED), so only slots in OWNED
         # blocks need the O(live tokens) occupancy check: a reclaimer commit,
         # whose destinations are all fresh, skips it.
-        in_owned = led.state[dst_blocks] == OWNED
+        in_owned = np.isin(led.state[dst_blocks], _PRIVATE_STATES)
         if in_owned.any():
             row_live = t.arena.slots[base : base + n][t.arena.alive_range(row, 0, n)]
             occupied = np.isin(dst[in_owned], row_live)
@@ -149,6 +150,27 @@ class RelocationTransitions:
         b = b[led.state[b] == OWNED]
         return b.astype(np.int32), led.live[b].astype(np.int32)
 
+    def fill_candidates(self, req):
+        """What a hole-filling plan of ``req`` may use (:func:`vtoken.hole_planner.select_fill`).
+
+        Returns ``(blocks int32 [n], live int32 [n], fillable bool [n], tail_block, tail_holes,
+        tail_cursor)``: the sources' candidates (:meth:`relocation_candidates`), which of them
+        may take moved tokens (not prefix-cache readable), and the tail block as a fill block
+        (``tail_block`` 0 when it is not private or has no hole below its write cursor).
+        """
+        t = self.table
+        row = t.row_of(req)
+        led, S = t.ledger, t.S
+        blocks, live = self.relocation_candidates(req)
+        fillable = ~t.shared.hit_readable[blocks]
+        n = int(t.arena.ntok[row])
+        tail = t.tail_block(req)
+        cursor = n - (cdiv(n, S) - 1) * S if n else 0
+        holes = cursor - int(led.live[tail]) if tail != NULL_BLOCK else 0
+        if tail == NULL_BLOCK or led.state[tail] != OWNED or t.shared.hit_readable[tail] or holes <= 0:
+            return blocks, live, fillable, 0, 0, 0
+        return blocks, live, fillable, tail, holes, cursor
+
     def _blocks_of(self, arg: str, blocks, req, state: int) -> np.ndarray:
         """``blocks`` as unique int64 ids of blocks in ``state`` that ``req`` owns, or raise naming ``arg``."""
         t = self.table
@@ -183,6 +205,18 @@ class RelocationTransitions:
         if (b == tail).any():
             raise InvalidArgumentError(f"src_blocks: expected non-tail blocks, got the tail block {tail}")
         led.set_state(b, SRC_INFLIGHT)
+
+    def begin_fill(self, req, fill_blocks) -> None:
+        """Mark the fill blocks of ``req``'s hole-filling plan SRC_INFLIGHT (the tail included).
+
+        NOTE: a fill block that empties while the copy into its holes is in
+        flight (evictions; or the tail, once appends move past it) must not be
+        released: SRC_INFLIGHT blocks never are. :meth:`end_relocation` returns
+        them to OWNED (releasing an empty non-tail one then).
+        """
+        b = self._blocks_of("fill_blocks", fill_blocks, req, OWNED)
+        if b.size:
+            self.table.ledger.set_state(b, SRC_INFLIGHT)
 
     def end_relocation(self, req, src_blocks) -> np.ndarray:
         """Return ``req``'s still-in-flight ``src_blocks`` to OWNED (abort, or after a commit).

@@ -28,6 +28,10 @@ class SharedBlocks:
         self.ledger = ledger
         self.S = ledger.block_size
         self.moved_into = np.zeros(ledger.num_blocks, dtype=bool)
+        # NOTE: blocks a prefix-cache hit outside the table may read (vLLM: blocks with a hash),
+        # set by the integration. A hit attends every offset, dead ones included, so such a
+        # block is never a hole-filling destination (vtoken.hole_planner).
+        self.hit_readable = np.zeros(ledger.num_blocks, dtype=bool)
 
     def check_prefix(self, prefix: np.ndarray) -> None:
         """Raise unless ``prefix`` lists full, unmodified, allocated blocks at positions 0, 1, ..."""

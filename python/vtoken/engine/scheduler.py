@@ -650,5 +650,6 @@ class Engine:
             "preemptions": self.num_preemptions,
             "relocated_tokens": rec.get("moves", 0),
             "reclaimed_blocks": rec.get("freed_blocks", 0),
+            "fresh_dst_blocks": rec.get("dst_blocks", 0),  # fresh destinations taken: net freed = reclaimed - this
             "backpressure_steps": rec.get("backpressure_steps", 0),
         }

@@ -59,8 +59,7 @@ from vtoken.experiments.common import (
     warm_up,
 )
 from vtoken.experiments.prompts import workload_prompts, workload_texts
-from vtoken.experiments.sla import PROMPT_OVERHEAD_BYTES
-from vtoken.reclaim_config import auto_headroom
+from vtoken.reclaim_config import PLANNERS, auto_headroom
 
 MODES = ("native", "naive", "vtoken")
 DEFAULT_NUM_BLOCKS = 256
@@ -83,11 +82,14 @@ class DemoConfig:
     num_blocks: Optional[int] = None  # None: 256, or the smallest pool that holds every request if more
     prompts: Optional[list] = None  # chat prompts (lists of messages); None: the shipped set on a real model
     theta_f: Optional[float] = None  # the waste floor (None: ReclaimConfig.theta_F's default)
+    planner: str = "holes"  # vtoken's relocation planner (ReclaimConfig.planner)
     seed: int = 0
     model: ModelSpec = field(default_factory=ModelSpec)
 
     def __post_init__(self):
         check_policy(self.policy)
+        if self.planner not in PLANNERS:
+            raise InvalidArgumentError(f"planner: expected one of {PLANNERS}, got {self.planner!r}")
         if self.theta_f is not None and (isinstance(self.theta_f, bool) or not isinstance(self.theta_f, (int, float))
                                          or not 0 <= self.theta_f < 1):
             raise InvalidArgumentError(f"theta_f: expected a value in [0, 1), got {self.theta_f!r}")
@@ -113,7 +115,8 @@ class DemoConfig:
     @property
     def reclaim(self) -> dict:
         """The vtoken mode's ReclaimConfig fields: memory pressure declared (the pool at its limit)."""
-        return dict(EAGER_RECLAIM) if self.theta_f is None else dict(EAGER_RECLAIM, theta_F=float(self.theta_f))
+        base = dict(EAGER_RECLAIM, planner=self.planner)
+        return base if self.theta_f is None else dict(base, theta_F=float(self.theta_f))
 
     def pool_for(self, prompt_len: int) -> int:
         """The pool that holds every request (prompts of at most ``prompt_len`` tokens) unevicted; checks a given one."""
@@ -158,7 +161,8 @@ class DemoResult:
         return {
             "config": {"policy": c.policy, "evict_ratio": c.evict_ratio, "window": c.window, "sink": c.sink, "at": c.at,
                        "requests": c.requests, "prompt_len": c.prompt_len, "output_len": c.output_len,
-                       "block_size": c.block_size, "num_blocks": self.num_blocks, "theta_f": c.theta_f, "seed": c.seed},
+                       "block_size": c.block_size, "num_blocks": self.num_blocks, "theta_f": c.theta_f,
+                       "planner": c.planner, "seed": c.seed},
             "model": self.model,
             "prompt_lens": self.prompt_lens,
             "prompts": self.prompts,
@@ -232,7 +236,9 @@ def format_demo(res: DemoResult) -> str:
         "retained/req: blocks held at finish; utilization: live / (retained x S); steady: the pool's live / "
         "(allocated x S), mean over the second half of the decode steps; F: pool waste ratio, mean over steps;",
         "reclamation: memory pressure declared (the pool at its limit), the library's other defaults "
-        f"(waste floor theta_F {res.reclaim['theta_F']:g}, headroom sized to the running requests)",
+        f"(waste floor theta_F {res.reclaim['theta_F']:g}, planner {res.reclaim['planner']}: "
+        + ("hole filling, no headroom)" if res.reclaim['planner'] == "holes" else
+           "fresh blocks, headroom sized to the running requests)"),
         "max concurrency: the most lockstep requests of peak/req blocks resident at once, vtoken's headroom for "
         f"them inside the budget ({res.modes['vtoken'].usable_blocks} usable with this run's requests)",
         f"total {res.seconds:.1f} s",

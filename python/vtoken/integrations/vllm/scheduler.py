@@ -272,8 +272,9 @@ class SchedulerSide:
                 for p in plans:
                     if p.request in self.table:
                         self._sync(p.request)
-                        # A destination's bytes no longer match any prefix: make sure it carries no hash.
-                        self.stats["hashes_dropped"] += drop_hashes(self.pool, p.dst_blocks.tolist())
+                        # A destination's bytes (a fill block's holes too) no longer match any prefix: no hash.
+                        dst = np.concatenate([p.dst_blocks, p.fill_blocks])
+                        self.stats["hashes_dropped"] += drop_hashes(self.pool, dst.tolist())
             else:
                 self.stats["copies_failed"] += 1
                 self.stats["plans_rolled_back"] += self.manager.abort(plans)
