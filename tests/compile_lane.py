@@ -109,18 +109,46 @@ def specialization_key(kernel, args, kwargs) -> str:
     return repr((specialization, sorted(options.items())))
 
 
+def ones_variant(kernel, args: list, kwargs: dict) -> tuple[list, dict]:
+    """The launch with every non-constexpr int argument set to 1.
+
+    On a GPU each of them may be 1 in some batch (one request, one span, ...),
+    and Triton then compiles it as a constant: this variant has every such
+    argument constant at once, whatever values the tests happened to use.
+    """
+    params = {p.name: p for p in kernel.params}
+    names = [p.name for p in kernel.params]
+
+    def one(name, value):
+        plain_int = isinstance(value, int) and not isinstance(value, bool)
+        return 1 if plain_int and not params[name].is_constexpr else value
+
+    return ([one(names[i], v) for i, v in enumerate(args)],
+            {k: one(k, v) if k in params else v for k, v in kwargs.items()})
+
+
 def compile_all(log: str, arch: int) -> None:
-    """In the compile process: compile every distinct specialization in ``log`` for ``sm_<arch>``; print results."""
+    """In the compile process: compile every distinct specialization in ``log`` for ``sm_<arch>``; print results.
+
+    Besides the recorded launches, each kernel's first launch is compiled once
+    more as its :func:`ones_variant`.
+    """
     import triton
     from triton.runtime.driver import driver
 
     driver.set_active(_StandInDriver(arch))
-    seen = set()
+    launches = []
     for entry in read_log(log):
         name = f"{entry['module']}:{entry['qualname']}"
         kernel = kernel_of(entry)
         args = [decode(a) for a in entry["args"]]
         kwargs = {k: decode(v) for k, v in entry["kwargs"].items()}
+        launches.append((name, kernel, args, kwargs))
+    firsts = {}
+    for name, kernel, args, kwargs in launches:
+        firsts.setdefault(name, (name, kernel) + ones_variant(kernel, args, kwargs))
+    seen = set()
+    for name, kernel, args, kwargs in launches + list(firsts.values()):
         key = specialization_key(kernel, args, kwargs)
         if (name, key) in seen:
             continue
