@@ -58,8 +58,7 @@ def record(path: str, fn, args, kwargs) -> None:
 
 def install() -> bool:
     """Wrap the interpreter's launch entry point when the log is asked for; returns whether it did."""
-    path = os.environ.get(LOG_ENV)
-    if not path or os.environ.get("TRITON_INTERPRET") != "1":
+    if not os.environ.get(LOG_ENV) or os.environ.get("TRITON_INTERPRET") != "1":
         return False
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -68,7 +67,9 @@ def install() -> bool:
     inner = InterpretedFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
-        record(path, self.fn, args, kwargs)
+        path = os.environ.get(LOG_ENV)  # read per launch: a test may point it elsewhere for a while
+        if path:
+            record(path, self.fn, args, kwargs)
         return inner(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     run._vtoken_recorder = True
