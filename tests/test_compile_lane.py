@@ -19,6 +19,8 @@ from test_build_slot_lists import Batch, as_lists, new_counts_for, oracle, poiso
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="records interpreted launches; a GPU runs the JIT itself")
+
 
 @pytest.fixture
 def launch_log(tmp_path, monkeypatch):
