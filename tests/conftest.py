@@ -17,6 +17,10 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("VTOKEN_DEBUG_INVARIANTS", "1")
 
+import triton_launches  # noqa: E402  (the compile lane's recorder, on when VTOKEN_TRITON_LAUNCH_LOG is set)
+
+triton_launches.install()
+
 import pytest  # noqa: E402
 
 

@@ -294,7 +294,10 @@ def _build_slot_lists_kernel(
 ):
     # Grid: (num_spans + max_reqs + 1 + cdiv(max(nnz_max, max_tokens), PAD_BLOCK),)
     pid = tl.program_id(0)
-    span_tokens = tiles_per_span.to(tl.int64) * BLOCK
+    # NOTE: tl.cast, not tiles_per_span.to(): on a GPU the JIT turns an int
+    # argument equal to 1 (a mirror of at most MAX_SPANS * BLOCK positions)
+    # into a Python constant, which has no .to() (tests/compile_lane.py).
+    span_tokens = tl.cast(tiles_per_span, tl.int64) * BLOCK
     v_end = tl.load(vstart_ptr + num_reqs)
     if pid < num_spans:
         # Span program: pack the span's live slots after those of earlier spans.
