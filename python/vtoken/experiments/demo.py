@@ -59,6 +59,7 @@ from vtoken.experiments.common import (
     warm_up,
 )
 from vtoken.experiments.prompts import workload_prompts, workload_texts
+from vtoken.experiments.sla import PROMPT_OVERHEAD_BYTES
 from vtoken.reclaim_config import PLANNERS, auto_headroom
 
 MODES = ("native", "naive", "vtoken")
