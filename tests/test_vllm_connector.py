@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from vtoken import ops
 from vtoken.integrations.vllm import vllm_available
 
 VLLM_OK, VLLM_WHY = vllm_available()
@@ -705,10 +706,16 @@ def _meta(w, reqs, qlens, decode):
                                    uniform_decode=decode)
 
 
+# Triton (the GPU's plan, interpreted here) and vtoken._C's C++ CPU kernel (what vLLM on CPU runs).
+ATTENTION_BACKENDS = ["triton"] + (["cuda"] if ops.has_extension_op("token_attention") else [])
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
 @pytest.mark.parametrize("fixed", [None, 1 << 30], ids=["cut_at_total", "fixed_lists"])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(monkeypatch, decode, fixed):
+def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(monkeypatch, decode, fixed, backend):
     """One plan (one validation) per step, run by every layer; outputs and summed key masses match the oracle."""
+    monkeypatch.setenv("VTOKEN_BACKEND", backend)
     from test_token_attention import KEY_SCORE_TOL, UNIT_ROUNDOFF
 
     from vtoken import ops
@@ -756,9 +763,13 @@ def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(mon
         worker_mod.set_current(None)
     assert calls == {"plan": 1, "validate": 1, "key_scores": 0} and w.stats["attention_plans"] == 1
     ws = w._workspace.untyped_storage().data_ptr()
-    assert meta.plan.plan.lse.untyped_storage().data_ptr() == ws  # carved from the preallocated workspace
-    if decode:
-        assert meta.plan.plan.logits.untyped_storage().data_ptr() == ws
+    if backend == "triton":
+        assert meta.plan.plan.lse.untyped_storage().data_ptr() == ws  # carved from the preallocated workspace
+        if decode:
+            assert meta.plan.plan.logits.untyped_storage().data_ptr() == ws
+    else:
+        assert isinstance(meta.plan.plan, ops.TokenAttentionExtensionPlan)
+        assert meta.plan.plan.workspace.untyped_storage().data_ptr() == ws  # its key scores: a view of it
     # Oracle: the float64 reference per layer; key masses summed over layers and kv heads.
     lay = w.layout
     total = meta.kv_indices.numel()
@@ -776,8 +787,9 @@ def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(mon
                                atol=KEY_SCORE_TOL["atol"] * len(caches) * hq * max(qlens))
 
 
-def test_grown_slot_lists_plan_decode_without_logits_and_keep_the_workspace():
+def test_grown_slot_lists_plan_decode_without_logits_and_keep_the_workspace(monkeypatch):
     """Shared prefixes list more keys than the workspace's entries: decode plans on the varlen path, same result."""
+    monkeypatch.setenv("VTOKEN_BACKEND", "triton")  # the GPU's plan (on CPU tensors dispatch picks the C++ kernel)
     from vtoken.integrations.vllm import worker as worker_mod
     from vtoken.integrations.vllm.attention import VTokenAttentionImpl
     from vtoken.reference.token_attention import token_attention as ref_attention

@@ -281,16 +281,16 @@ class TokenAttentionExtensionPlan:
         self.workspace = None
         if scores:  # a caller's preallocated float32 workspace serves, as it does the Triton plan
             need = a.nnz_max * a.num_kv_heads
-            if workspace is None:
-                self.workspace = torch.empty(a.nnz_max, a.num_kv_heads, dtype=torch.float32, device=kv_indices.device)
-            elif workspace.dtype != torch.float32 or workspace.dim() != 1 or workspace.device != kv_indices.device:
+            if workspace is not None and (workspace.dtype != torch.float32 or workspace.dim() != 1
+                                          or workspace.device != kv_indices.device):
                 raise InvalidArgumentError(f"workspace: expected a 1-D float32 tensor on {kv_indices.device}, got "
                                            f"{workspace.dtype} {tuple(workspace.shape)} on {workspace.device}")
-            elif workspace.numel() < need:
-                raise InvalidArgumentError(f"workspace: expected at least {need} float32 elements, "
-                                           f"got {workspace.numel()}")
-            else:
+            # NOTE: slot lists grown past the caller's workspace (shared prefixes in vLLM) get a buffer of
+            # their own: the CPU captures no graph, so an allocation here costs time, not correctness.
+            if workspace is not None and workspace.numel() >= need:
                 self.workspace = workspace[:need].view(a.nnz_max, a.num_kv_heads)
+            else:
+                self.workspace = torch.empty(a.nnz_max, a.num_kv_heads, dtype=torch.float32, device=kv_indices.device)
 
     def run(self, q, kv_cache, *, out=None, return_key_scores=False, score_out=None):
         """One layer: ``out`` or ``(out, key_scores)``; adds into ``score_out`` when given."""
