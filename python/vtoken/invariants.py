@@ -177,27 +177,9 @@ def check_plan(plan, table, *, pre_launch: bool = True) -> None:
         raise InvariantViolation(f"I4: N_dst={len(dst)} != ceil(T_live={m} / S={S})")
     if len(np.unique(src)) != len(src) or len(np.unique(dst)) != len(dst) or np.intersect1d(src, dst).size:
         raise InvariantViolation("I4: sources / destinations not unique and disjoint")
-    src_state = OWNED if pre_launch else SRC_INFLIGHT
-    if not ((led.state[src] == src_state) & (led.owner[src] == row)).all():
-        raise InvariantViolation(f"I4: a source is not a private block of {req!r} in the expected state")
-    if (src == table.tail_block(req)).any():
-        raise InvariantViolation("I4: the tail block is a source")
-    if (led.live[src] >= S).any() or (led.live[src] <= 0).any():
-        raise InvariantViolation("I4: a source is full or empty")
     if not ((led.state[dst] == DST_INFLIGHT) & (led.owner[dst] == row) & (led.live[dst] == 0)).all():
         raise InvariantViolation("I4: a destination is not an empty DST_INFLIGHT block of the request")
-    if m != int(led.live[src].sum()):
-        raise InvariantViolation(f"I4: {m} moves but the sources hold {int(led.live[src].sum())} live tokens")
-    tids = plan.token_ids.astype(np.int64)
-    if m > 1 and (np.diff(tids) <= 0).any():
-        raise InvariantViolation("I4: moves are not in ascending logical order")
-    if not table.is_alive(req, tids).all():
-        raise InvariantViolation("I4: a moved token is dead")
-    slots = table.slots(req)
-    if not np.array_equal(slots[tids], plan.src_slots):
-        raise InvariantViolation("I4: src_slots differ from the table")
-    if not np.isin(plan.src_slots.astype(np.int64) // S, src).all():
-        raise InvariantViolation("I4: a moved token is outside the sources")
+    _check_sources_and_moved_tokens(plan, table, row, src, pre_launch=pre_launch, max_moves=m)
     j = np.arange(m, dtype=np.int64)
     if not np.array_equal(dst[j // S] * S + j % S, plan.dst_slots.astype(np.int64)):
         raise InvariantViolation("I4: destinations are not filled completely in logical order")
@@ -215,28 +197,12 @@ def _check_fill_plan(plan, table, row: int, *, pre_launch: bool) -> None:
     if len(np.unique(src)) != len(src) or len(np.unique(fill)) != len(fill) or np.intersect1d(src, fill).size:
         raise InvariantViolation("I4: sources / fill blocks not unique and disjoint")
     state = OWNED if pre_launch else SRC_INFLIGHT
-    if not ((led.state[src] == state) & (led.owner[src] == row)).all():
-        raise InvariantViolation(f"I4: a source is not a private block of {req!r} in the expected state")
-    if (src == tail).any():
-        raise InvariantViolation("I4: the tail block is a source")
-    if (led.live[src] >= S).any() or (led.live[src] <= 0).any():
-        raise InvariantViolation("I4: a source is full or empty")
     if not ((led.state[fill] == state) & (led.owner[fill] == row)).all():
         raise InvariantViolation(f"I4: a fill block is not a private block of {req!r} in the expected state")
     if table.shared.hit_readable[fill].any():
         raise InvariantViolation("I4: a fill block may be read by a prefix-cache hit")
-    if m != int(led.live[src].sum()) or m > len(src) * (S - 1):
-        raise InvariantViolation(f"I4: {m} moves but the sources hold {int(led.live[src].sum())} live tokens")
-    tids = plan.token_ids.astype(np.int64)
-    if m > 1 and (np.diff(tids) <= 0).any():
-        raise InvariantViolation("I4: moved token ids are not unique and ascending")
-    if not table.is_alive(req, tids).all():
-        raise InvariantViolation("I4: a moved token is dead")
+    _check_sources_and_moved_tokens(plan, table, row, src, pre_launch=pre_launch, max_moves=len(src) * (S - 1))
     slots = table.slots(req)
-    if not np.array_equal(slots[tids], plan.src_slots):
-        raise InvariantViolation("I4: src_slots differ from the table")
-    if not np.isin(plan.src_slots.astype(np.int64) // S, src).all():
-        raise InvariantViolation("I4: a moved token is outside the sources")
     dst = plan.dst_slots.astype(np.int64)
     if len(np.unique(dst)) != m or not np.isin(dst // S, fill).all():
         raise InvariantViolation("I4: destination slots are not unique slots of the fill blocks")
@@ -272,3 +238,27 @@ def check_plans(plans, table, *, in_flight: Iterable = (), max_dst: Optional[int
         raise InvariantViolation(f"I4: destinations exceed the headroom ({max_dst})")
     if max_moves is not None and sum(p.num_moves for p in plans) > max_moves:
         raise InvariantViolation(f"I4: moves exceed max_moves_per_step ({max_moves})")
+
+
+def _check_sources_and_moved_tokens(plan, table, row: int, src: np.ndarray, *, pre_launch: bool,
+                                    max_moves: int) -> None:
+    """I4's rules shared by fresh-block and hole-filling plans: the sources, and the tokens that leave them."""
+    led, S, req, m = table.ledger, table.S, plan.request, plan.num_moves
+    state = OWNED if pre_launch else SRC_INFLIGHT
+    if not ((led.state[src] == state) & (led.owner[src] == row)).all():
+        raise InvariantViolation(f"I4: a source is not a private block of {req!r} in the expected state")
+    if (src == table.tail_block(req)).any():
+        raise InvariantViolation("I4: the tail block is a source")
+    if (led.live[src] >= S).any() or (led.live[src] <= 0).any():
+        raise InvariantViolation("I4: a source is full or empty")
+    if m != int(led.live[src].sum()) or m > max_moves:
+        raise InvariantViolation(f"I4: {m} moves but the sources hold {int(led.live[src].sum())} live tokens")
+    tids = plan.token_ids.astype(np.int64)
+    if m > 1 and (np.diff(tids) <= 0).any():
+        raise InvariantViolation("I4: moves are not in ascending logical order")
+    if not table.is_alive(req, tids).all():
+        raise InvariantViolation("I4: a moved token is dead")
+    if not np.array_equal(table.slots(req)[tids], plan.src_slots):
+        raise InvariantViolation("I4: src_slots differ from the table")
+    if not np.isin(plan.src_slots.astype(np.int64) // S, src).all():
+        raise InvariantViolation("I4: a moved token is outside the sources")
