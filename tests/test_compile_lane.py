@@ -13,6 +13,7 @@ import torch
 
 import compile_lane
 import triton_launches
+from kernel_device import cpu_engine_triton
 import vtoken_kernels.build_slot_lists as tk
 from lane_fixture_kernels import _scale_kernel, _widen_kernel
 from test_build_slot_lists import Batch, as_lists, new_counts_for, oracle, poisoned_buffers, random_requests, sizes
@@ -98,6 +99,7 @@ def test_lane_fails_when_nothing_was_recorded(tmp_path):
     assert lane.returncode == 1 and "no launch recorded" in lane.stderr
 
 
+@cpu_engine_triton  # the lane records interpreted launches: with CUDA the suite runs Triton's JIT itself
 def test_build_slot_lists_compiles_with_one_tile_per_span(launch_log):
     # Regression: a mirror of at most MAX_SPANS * BLOCK positions has
     # tiles_per_span == 1, which the GPU JIT compiles as a constant.

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernel_device import cpu_engine_triton
 from vtoken import ops
 from vtoken.integrations.vllm import vllm_available
 
@@ -710,6 +711,7 @@ def _meta(w, reqs, qlens, decode):
 ATTENTION_BACKENDS = ["triton"] + (["cuda"] if ops.has_extension_op("token_attention") else [])
 
 
+@cpu_engine_triton  # the worker's CPU tensors under both backends (vLLM's CPU path)
 @pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
 @pytest.mark.parametrize("fixed", [None, 1 << 30], ids=["cut_at_total", "fixed_lists"])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
@@ -787,6 +789,7 @@ def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(mon
                                atol=KEY_SCORE_TOL["atol"] * len(caches) * hq * max(qlens))
 
 
+@cpu_engine_triton  # forces Triton on the worker's CPU tensors
 def test_grown_slot_lists_plan_decode_without_logits_and_keep_the_workspace(monkeypatch):
     """Shared prefixes list more keys than the workspace's entries: decode plans on the varlen path, same result."""
     monkeypatch.setenv("VTOKEN_BACKEND", "triton")  # the GPU's plan (on CPU tensors dispatch picks the C++ kernel)

@@ -629,27 +629,32 @@ class Engine:
     # --------------------------------------------------------------- summary
     def summary(self) -> dict:
         """Totals of the run so far (JSON-ready)."""
-        t = self.totals
-        S = self.config.block_size
-        tokens, wall, done = t["generated_tokens"], t["seconds"], t["finished"]
-        lat = sorted(r.latency for r in self.finished)  # the kept ones (all, unless history is set)
-        rec = self.reclaimer.metrics.summary()
-        return {
-            "mode": self.mode,
-            "policy": getattr(self.policy, "name", None),
-            "requests": done,
-            "generated_tokens": tokens,
-            "steps": self.step_count,
-            "seconds": wall,
-            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-            "p95_latency_s": float(np.percentile(lat, 95)) if lat else None,
-            "mean_retained_blocks": t["retained_blocks"] / done if done else None,
-            "utilization": t["live_tokens"] / (t["retained_blocks"] * S) if done and t["retained_blocks"] else None,
-            "peak_blocks": self.peak_blocks,
-            "peak_running": self.peak_running,
-            "preemptions": self.num_preemptions,
-            "relocated_tokens": rec.get("moves", 0),
-            "reclaimed_blocks": rec.get("freed_blocks", 0),
-            "fresh_dst_blocks": rec.get("dst_blocks", 0),  # fresh destinations taken: net freed = reclaimed - this
-            "backpressure_steps": rec.get("backpressure_steps", 0),
-        }
+        return engine_summary(self)
+
+
+def engine_summary(engine: Engine) -> dict:
+    """:meth:`Engine.summary`: the engine's running totals as JSON-ready figures."""
+    t = engine.totals
+    S = engine.config.block_size
+    tokens, wall, done = t["generated_tokens"], t["seconds"], t["finished"]
+    lat = sorted(r.latency for r in engine.finished)  # the kept ones (all, unless history is set)
+    rec = engine.reclaimer.metrics.summary()
+    return {
+        "mode": engine.mode,
+        "policy": getattr(engine.policy, "name", None),
+        "requests": done,
+        "generated_tokens": tokens,
+        "steps": engine.step_count,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "p95_latency_s": float(np.percentile(lat, 95)) if lat else None,
+        "mean_retained_blocks": t["retained_blocks"] / done if done else None,
+        "utilization": t["live_tokens"] / (t["retained_blocks"] * S) if done and t["retained_blocks"] else None,
+        "peak_blocks": engine.peak_blocks,
+        "peak_running": engine.peak_running,
+        "preemptions": engine.num_preemptions,
+        "relocated_tokens": rec.get("moves", 0),
+        "reclaimed_blocks": rec.get("freed_blocks", 0),
+        "fresh_dst_blocks": rec.get("dst_blocks", 0),  # fresh destinations taken: net freed = reclaimed - this
+        "backpressure_steps": rec.get("backpressure_steps", 0),
+    }
