@@ -275,6 +275,21 @@ def policy_config(name: str, evict_ratio: float, window: Optional[int] = None, s
     return cfg
 
 
+@dataclass
+class PolicyChoice:
+    """The eviction policy a policy experiment runs: the fields its config shares with the others."""
+
+    policy: str = "h2o"
+    evict_ratio: float = 0.5
+    window: Optional[int] = None  # the policy's recent window (None: its default, at most 32)
+    sink: Optional[int] = None  # the policy's attention sinks (None: its default, 4)
+    at: Optional[str] = None  # "decode" or "prefill" (None: the policy's default)
+
+    def chosen_policy_config(self) -> dict:
+        """:func:`policy_config` of these fields."""
+        return policy_config(self.policy, self.evict_ratio, self.window, self.sink, self.at)
+
+
 def supported_at(name: str, at: Optional[str]) -> Optional[str]:
     """``at`` when policy ``name`` has that mode, else None (its own: SnapKV has only prefill)."""
     from vtoken.policies import get

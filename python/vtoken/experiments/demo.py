@@ -42,6 +42,7 @@ from typing import Optional
 
 from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import (
+    PolicyChoice,
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
@@ -53,7 +54,6 @@ from vtoken.experiments.common import (
     fit_num_blocks,
     full_blocks,
     paired_run,
-    policy_config,
     reclaim_json,
     resident_engine_config,
     warm_up,
@@ -67,12 +67,7 @@ DEFAULT_NUM_BLOCKS = 256
 
 
 @dataclass
-class DemoConfig:
-    policy: str = "h2o"
-    evict_ratio: float = 0.5
-    window: Optional[int] = None  # the policy's recent window (None: its default, at most 32)
-    sink: Optional[int] = None  # the policy's attention sinks (None: its default, 4)
-    at: Optional[str] = None  # "decode" or "prefill" (None: the policy's default)
+class DemoConfig(PolicyChoice):
     requests: int = 8
     # NOTE: 512, not 128: packing leaves about one block of slack per request (its tail, and holes
     # short of a whole block), so steady utilization reaches 95% only from ~20 live blocks per request
@@ -195,7 +190,7 @@ def run_demo(cfg: DemoConfig, *, progress: Optional[Progress] = None) -> DemoRes
                                         reclaim=cfg.reclaim)
     warm_up(model, engine_cfg, max(lens))
     runs = paired_run(model, prompts, cfg.output_len, modes=MODES, policy=cfg.policy,
-                      policy_cfg=policy_config(cfg.policy, cfg.evict_ratio, cfg.window, cfg.sink, cfg.at),
+                      policy_cfg=cfg.chosen_policy_config(),
                       engine_cfg=engine_cfg, progress=progress)
     same = runs["naive"].outputs == runs["vtoken"].outputs
     texts, users = {}, None

@@ -49,6 +49,7 @@ from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError
 from vtoken.policies import decision_plan
 from vtoken.experiments.common import (
+    PolicyChoice,
     reclaim_json,
     EAGER_RECLAIM,
     ModelSpec,
@@ -61,24 +62,18 @@ from vtoken.experiments.common import (
     full_blocks,
     make_prompts,
     parse_int_list,
-    policy_config,
     warm_up,
 )
 
 
 @dataclass
-class PrefixConfig:
+class PrefixConfig(PolicyChoice):
     degrees: tuple = (1, 2, 4, 8)
     requests: int = 8
     prefix_len: int = 128
     suffix_len: int = 32
     output_len: int = 64
     block_size: int = 16
-    policy: str = "h2o"
-    evict_ratio: float = 0.5
-    window: Optional[int] = None  # the policy's recent window (None: its default, at most 32)
-    sink: Optional[int] = None  # the policy's attention sinks (None: its default, 4)
-    at: Optional[str] = None  # "decode" or "prefill" (None: the policy's default)
     seed: int = 0
     model: ModelSpec = field(default_factory=ModelSpec)
 
@@ -141,8 +136,8 @@ class _SharedPrefixRun:
                     max_num_tokens=max(groups * cfg.prefix_len, cfg.requests * cfg.suffix_len),
                     reclaim=dict(EAGER_RECLAIM), decision="host")  # stepped by hand: decides on the host
         if trace is None:
-            self.eng = Engine(model, EngineConfig(policy=cfg.policy, policy_config=policy_config(
-                cfg.policy, cfg.evict_ratio, cfg.window, cfg.sink, cfg.at), **ecfg), record_trace=True)
+            self.eng = Engine(model, EngineConfig(policy=cfg.policy, policy_config=cfg.chosen_policy_config(), **ecfg),
+                              record_trace=True)
             self.replay = None
         else:
             self.replay = ReplayPolicy(trace)

@@ -51,6 +51,7 @@ import numpy as np
 
 from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import (
+    PolicyChoice,
     reclaim_json,
     ModelSpec,
     Progress,
@@ -60,7 +61,6 @@ from vtoken.experiments.common import (
     check_pool,
     check_run_options,
     parse_int_list,
-    policy_config,
     warm_up,
 )
 from vtoken.experiments.prompts import workload_prompts
@@ -70,12 +70,7 @@ PROMPT_OVERHEAD_BYTES = 112  # one numpy array object: sys.getsizeof(np.zeros(0,
 
 
 @dataclass
-class SlaConfig:
-    policy: str = "h2o"
-    evict_ratio: float = 0.5
-    window: Optional[int] = None  # the policy's recent window (None: its default, at most 32)
-    sink: Optional[int] = None  # the policy's attention sinks (None: its default, 4)
-    at: Optional[str] = None  # "decode" or "prefill" (None: the policy's default)
+class SlaConfig(PolicyChoice):
     concurrency: tuple = (1, 2, 4, 8, 12, 16)
     rounds: int = 2  # requests per point = rounds x C
     prompt_len: int = 64  # random prompts' length (a real model serves text prompts instead)
@@ -272,8 +267,7 @@ def _point(model, mode: str, cfg: SlaConfig, C: int, tokenizer=None) -> dict:
     ecfg = EngineConfig(mode=mode, num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_num_reqs=C,
                         max_num_tokens=max(C * longest, longest + cfg.output_len),
                         policy=None if mode == "native" else cfg.policy,
-                        policy_config={} if mode == "native" else policy_config(cfg.policy, cfg.evict_ratio,
-                                                                                cfg.window, cfg.sink, cfg.at))
+                        policy_config={} if mode == "native" else cfg.chosen_policy_config())
     eng = timed_engine_class()(model, ecfg)
     point = serve(eng, prompts, cfg.output_len, C)
     return {**point, **token_times(eng, WallClock.times(eng.marks))}

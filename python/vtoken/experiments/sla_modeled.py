@@ -48,12 +48,12 @@ import numpy as np
 
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_int
 from vtoken.experiments.common import (
+    PolicyChoice,
     Progress,
     check_pool,
     check_run_options,
     make_prompts,
     parse_int_list,
-    policy_config,
     reclaim_json,
 )
 from vtoken.experiments.cost_model import H200Roofline, ModelShape, ModeledClock, check_memory_utilization
@@ -76,7 +76,7 @@ DEFAULT_NUM_BLOCKS = 1025  # 1,024 usable blocks of 16: 2 GiB of either shape's 
 
 
 @dataclass
-class ModeledSlaConfig:
+class ModeledSlaConfig(PolicyChoice):
     """The modeled sweep (see the module docstring).
 
     The KV pool is ``num_blocks`` (the null block included), or with
@@ -94,11 +94,6 @@ class ModeledSlaConfig:
     """
 
     shapes: tuple = tuple(SHAPES)
-    policy: str = "h2o"
-    evict_ratio: float = 0.5
-    window: Optional[int] = None
-    sink: Optional[int] = None
-    at: Optional[str] = None
     concurrency: tuple = (8, 16, 24, 32, 40, 48, 56, 64)
     rounds: int = 2
     prompt_len: int = 256
@@ -245,7 +240,7 @@ def _points(shapes: list, num_blocks: int, mode: str, cfg: ModeledSlaConfig, C: 
     ecfg = EngineConfig(mode=mode, num_blocks=num_blocks, block_size=cfg.block_size, max_num_reqs=C,
                         max_num_tokens=max(C * P, P + O), decision="host",
                         policy=cfg.policy if evicts else None,
-                        policy_config=policy_config(cfg.policy, cfg.evict_ratio, cfg.window, cfg.sink, cfg.at)
+                        policy_config=cfg.chosen_policy_config()
                         if evicts else {})
     t0 = time.perf_counter()
     eng = trace_engine(ecfg, vocab_size=min(s.vocab_size for s in shapes),
