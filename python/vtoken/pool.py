@@ -51,7 +51,7 @@ class BlockPool:
         >>> pool = BlockPool(8)
         >>> ids = pool.allocate(3); pool.num_free
         4
-        >>> pool.free(ids); pool.num_free
+        >>> freed = pool.free(ids); pool.num_free
         7
     """
 

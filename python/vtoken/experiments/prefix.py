@@ -34,8 +34,8 @@ Example:
     >>> from vtoken.experiments.prefix import PrefixConfig, run_prefix
     >>> res = run_prefix(PrefixConfig(degrees=(2,), requests=2, prefix_len=16, suffix_len=8, output_len=10,
     ...                               block_size=4, window=4, model=ModelSpec(device="cpu")))
-    >>> row = res.rows[0]; row["shared_skipped_pct"], row["outputs_identical"]
-    (100.0, True)
+    >>> row = res.rows[0]; row["shared_blocks_used_as_sources"], row["shared_slots_intact"], row["outputs_identical"]
+    (0, True, True)
 """
 from __future__ import annotations
 
