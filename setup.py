@@ -82,8 +82,9 @@ setup(
         # transformers 5.19 verified against torch 2.13 CPU (it pulls no torch); fidelity tests only.
         # ninja: torch.utils.cpp_extension.load builds the test-only ops (csrc/testing/) with it.
         # triton: the kernel tests run it (its interpreter on CPU).
+        # matplotlib: the experiments' --plot figures are written in the tests.
         "test": ["pytest", "hypothesis", "triton>=3.6", "transformers==5.19.0", "safetensors>=0.4", "ninja",
-                 "gguf>=0.17"],
+                 "gguf>=0.17", "matplotlib"],
         "bench": ["matplotlib", "rich", "tabulate", "nvidia-ml-py"],
         # Real checkpoints (vtoken.checkpoints): GGUF reading, HF export, tokenizers and chat templates.
         "models": ["gguf>=0.17", "transformers==5.19.0", "safetensors>=0.4"],

@@ -444,6 +444,25 @@ def test_plot_writes_png(capsys, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+PLOTTED = {
+    "prefix": ["prefix", "--degrees", "2", "--requests", "2", "--prefix-len", "16", "--suffix-len", "8",
+               "--output-len", "10", *TINY],
+    "retained": ["retained", "--policies", "h2o", "--requests", "2", "--prompt-len", "24", "--output-len", "8", *TINY],
+    "frontier": ["frontier", "--trace-only", "--num-blocks", "64"],
+    "sla": ["sla", "--concurrency", "1,2", "--sla-concurrency", "2", "--rounds", "1", "--prompt-len", "16",
+            "--output-len", "8", "--num-blocks", "48", *TINY],
+}
+
+
+@pytest.mark.parametrize("command", sorted(PLOTTED))
+def test_every_experiment_writes_its_figure(capsys, tmp_path, command):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / f"{command}.png"
+    assert main([*PLOTTED[command], "--plot", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plot_without_matplotlib_names_the_extra(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(SystemExit) as e:

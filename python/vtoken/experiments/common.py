@@ -518,6 +518,15 @@ def require_matplotlib():
     return plt
 
 
+def save_figure(fig, path: str, title: Optional[str] = None) -> None:
+    """Lay out ``fig`` (under ``title``, if given), write it to ``path`` at 120 dpi and close it."""
+    if title is not None:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    require_matplotlib().close(fig)
+
+
 def add_model_args(p, *, device: bool = True, prompts: bool = False) -> None:
     """``--model-preset``, ``--model``, ``--model-path``, ``--device``, ``--threads``
     (and ``--prompt`` / ``--prompts`` with ``prompts=True``)."""

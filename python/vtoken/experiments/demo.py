@@ -42,6 +42,7 @@ from typing import Optional
 
 from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import (
+    save_figure,
     PolicyChoice,
     EAGER_RECLAIM,
     ModelSpec,
@@ -274,8 +275,5 @@ def plot_demo(res: DemoResult, path: str, plt) -> None:
         for i, v in enumerate(vals):
             ax.annotate(f"{v:.1f}" if isinstance(v, float) else str(v), (i, v), ha="center", va="bottom", fontsize=8)
     c = res.config
-    fig.suptitle(f"vtoken demo: {c.policy}, evict {100 * c.evict_ratio:g}%, {c.requests} x "
-                 f"({c.prompt_len}+{c.output_len}) tokens, S={c.block_size}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"vtoken demo: {c.policy}, evict {100 * c.evict_ratio:g}%, {c.requests} x "
+                           f"({c.prompt_len}+{c.output_len}) tokens, S={c.block_size}")

@@ -73,7 +73,7 @@ import numpy as np
 
 from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, check_int
-from vtoken.experiments.common import check_kv_cache, check_memory, check_pool
+from vtoken.experiments.common import check_kv_cache, check_memory, check_pool, save_figure
 from vtoken.experiments.synthetic_scores import SyntheticAttention
 from vtoken.ledger import BlockLedger
 from vtoken.pool import BlockPool
@@ -716,6 +716,4 @@ def plot_result(res: FrontierResult, path: str, plt) -> None:
     ax.set_title(f"{res.config.num_blocks} blocks; a request: {res.full_blocks_per_request} blocks full, "
                  f"{res.ideal_packed_blocks_per_request} packed", fontsize=9)
     ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

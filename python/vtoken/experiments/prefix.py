@@ -49,6 +49,7 @@ from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError
 from vtoken.policies import decision_plan
 from vtoken.experiments.common import (
+    save_figure,
     PolicyChoice,
     reclaim_json,
     EAGER_RECLAIM,
@@ -348,6 +349,4 @@ def plot_prefix(res: PrefixResult, path: str, plt) -> None:
     ax.set_ylabel("blocks allocated at the end")
     ax.set_title("Table 1: prefix sharing (shared blocks are never relocated)", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

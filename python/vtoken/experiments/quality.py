@@ -40,6 +40,7 @@ import numpy as np
 
 from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import (
+    save_figure,
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
@@ -263,6 +264,4 @@ def plot_quality(res: QualityResult, path: str, plt) -> None:
         ax.set_ylim(0, 1.02)
         ax.legend(fontsize=8)
     fig.suptitle(f"vtoken quality: {res.num_prompts} prompts, {res.model.split(' (')[0]}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

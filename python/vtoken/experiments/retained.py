@@ -24,6 +24,7 @@ from typing import Optional
 
 from vtoken.errors import InvalidArgumentError
 from vtoken.experiments.common import (
+    save_figure,
     EAGER_RECLAIM,
     ModelSpec,
     Progress,
@@ -178,6 +179,4 @@ def plot_retained(res: RetainedResult, path: str, plt) -> None:
     c = res.config
     fig.suptitle(f"Fig. 7: retained blocks on identical victims (evict {100 * c.evict_ratio:g}%, "
                  f"{c.requests} x ({c.prompt_len}+{c.output_len}), S={c.block_size})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

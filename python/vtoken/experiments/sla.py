@@ -51,6 +51,7 @@ import numpy as np
 
 from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import (
+    save_figure,
     PolicyChoice,
     reclaim_json,
     ModelSpec,
@@ -345,6 +346,4 @@ def plot_sla(res: SlaResult, path: str, plt) -> None:
     ax.set_ylabel("throughput (tokens/s)")
     ax.set_title("Fig. 8: throughput vs p95 latency, closed loop", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -48,6 +48,7 @@ import numpy as np
 
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_int
 from vtoken.experiments.common import (
+    save_figure,
     PolicyChoice,
     Progress,
     check_pool,
@@ -366,8 +367,5 @@ def plot_modeled_sla(res: ModeledSlaResult, path: str, plt) -> None:
         lat.set_ylabel("modeled p95 ms/token")
         lat.legend(fontsize=8)
     c = res.config
-    fig.suptitle(f"vtoken sla --cost-model h200 (modeled H200): {c.prompt_len} + {c.output_len} tokens, "
-                 f"{c.policy} evict {c.evict_ratio:g}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"vtoken sla --cost-model h200 (modeled H200): {c.prompt_len} + {c.output_len} "
+                           f"tokens, {c.policy} evict {c.evict_ratio:g}")
