@@ -101,12 +101,12 @@ def _broken_checkpoints(tmp_path):
 @pytest.mark.parametrize("which", ["empty", "trunc", "nocfg", "badcfg", "deep", "notobj"])
 def test_a_broken_checkpoint_is_a_typed_error(tmp_path, which):
     pytest.importorskip("gguf")
-    from vtoken import checkpoints
+    from vtoken.engine.pretrained import load_checkpoint
     from vtoken.errors import InvalidArgumentError
 
     path, text = _broken_checkpoints(tmp_path)[which]
     with pytest.raises(InvalidArgumentError) as e:
-        checkpoints.load(str(path))
+        load_checkpoint(str(path))
     assert text in str(e.value) and "\n" not in str(e.value)
 
 

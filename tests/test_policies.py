@@ -27,7 +27,8 @@ import vtoken.policies as P
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, VTokenError
 from vtoken.policies import base as policy_base
 from vtoken.policies import scores as policy_scores
-from vtoken.policies.base import Budget, PolicyView, ReplayDivergenceError, ReplayPolicy, TraceRecorder
+from vtoken.policies.base import Budget, PolicyView
+from vtoken.policies.trace import ReplayDivergenceError, ReplayPolicy, TraceRecorder
 from vtoken.policies.scores import ScoreAccumulator, accumulate_batch, window_key_scores
 
 POLICY_DIR = pathlib.Path(P.__file__).parent

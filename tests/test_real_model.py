@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 pytest.importorskip("safetensors")
 
-from vtoken import checkpoints  # noqa: E402
+from vtoken.engine.pretrained import load_checkpoint  # noqa: E402
 from vtoken.engine.scheduler import Engine, EngineConfig  # noqa: E402
 from vtoken.errors import InvalidArgumentError  # noqa: E402
 from vtoken.experiments.common import paired_run, policy_config  # noqa: E402
@@ -47,7 +47,7 @@ SHORT = [
 @pytest.fixture(scope="module")
 def ck():
     torch.set_num_threads(1)
-    return checkpoints.load("smollm2", progress=None)
+    return load_checkpoint("smollm2", progress=None)
 
 
 @pytest.fixture(autouse=True)

@@ -119,11 +119,6 @@ class SegmentArena:
         """Block-list position of the rows' tail blocks (-1 for an empty row)."""
         return cdiv(self.ntok[rows], self.S) - 1
 
-    def row_slots(self, row: int) -> np.ndarray:
-        """``row``'s slots, a view."""
-        base = int(self.base[row])
-        return self.slots[base : base + int(self.ntok[row])]
-
     def check_token_ids(self, row: int, tids: np.ndarray, arg: str = "token_ids") -> None:
         """Raise unless every id in ``tids`` is one of ``row``'s tokens."""
         n = int(self.ntok[row])

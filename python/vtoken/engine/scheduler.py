@@ -355,16 +355,16 @@ class Engine:
     def from_pretrained(cls, model: str, config: Optional[EngineConfig] = None, *, device="cpu", dtype=None,
                         policy: PolicyLike = None, record_trace: bool = False) -> "Engine":
         """An engine over a real checkpoint with its tokenizer: a known name (``"smollm2"``, fetched and
-        cached on first use), a ``.gguf`` file or an HF directory (:func:`vtoken.checkpoints.load`).
+        cached on first use), a ``.gguf`` file or an HF directory (:func:`vtoken.engine.pretrained.load_checkpoint`).
         ``eos_token_id`` is the checkpoint's unless ``config`` sets one."""
-        from vtoken.checkpoints import load
+        from vtoken.engine.pretrained import load_checkpoint
 
         config = EngineConfig() if config is None else config
         if config.cpu_threads is not None and str(device) == "cpu":
             import torch
 
             torch.set_num_threads(config.cpu_threads)  # before loading: the load runs on the CPU too
-        ck = load(model, device=device, dtype=dtype)
+        ck = load_checkpoint(model, device=device, dtype=dtype)
         if config.eos_token_id is None and ck.eos_token_id is not None:
             config = dataclasses.replace(config, eos_token_id=ck.eos_token_id)
         return cls(ck.model, config, policy=policy, record_trace=record_trace, tokenizer=ck.tokenizer)

@@ -205,16 +205,16 @@ class ModelSpec:
         return self.load(tokenizer=False)[0]
 
     def load(self, *, tokenizer: bool = True) -> tuple:
-        """``(model, tokenizer, eos_token_id)``: a real checkpoint's (:func:`vtoken.checkpoints.load`, a known
+        """``(model, tokenizer, eos_token_id)``: a real checkpoint's (:func:`vtoken.engine.pretrained.load_checkpoint`, a known
         name fetched and cached on first use), or a random preset's model with ``(None, None)``."""
         from vtoken.engine.model import LlamaModel, ModelConfig
 
         device = self.resolved_device()
         configure_threads(device, self.threads)
         if self.path is not None:
-            from vtoken.checkpoints import load
+            from vtoken.engine.pretrained import load_checkpoint
 
-            ck = load(self.path, device=device, progress=sys.stderr, tokenizer=tokenizer)
+            ck = load_checkpoint(self.path, device=device, progress=sys.stderr, tokenizer=tokenizer)
             return ck.model, ck.tokenizer, ck.eos_token_id
         return LlamaModel(ModelConfig(**MODEL_PRESETS[self.preset], seed=self.seed), device=device), None, None
 

@@ -4,19 +4,16 @@
 lists the names: ``h2o``, ``random``, ``scissorhands``, ``snapkv``,
 ``streamingllm``, ``tova``. Each policy is one module of fewer than 50 lines
 whose docstring gives its definition and source. See :mod:`vtoken.policies.base`
-for the view, budgets and traces, :mod:`vtoken.policies.scores` for the
-score sources and :mod:`vtoken.policies.ids` for the live-id checks both use.
+for the view and budgets, :mod:`vtoken.policies.trace` for recorded victim
+traces and their replay, :mod:`vtoken.policies.scores` for the score sources
+and :mod:`vtoken.policies.ids` for the live-id checks they use.
 """
 from vtoken.policies.base import (  # noqa: F401
     AT_MODES,
     Budget,
     BudgetRaisedWarning,
-    Decision,
     EvictionPolicy,
     PolicyView,
-    ReplayDivergenceError,
-    ReplayPolicy,
-    TraceRecorder,
     available,
     decision_plan,
     get,
@@ -24,6 +21,7 @@ from vtoken.policies.base import (  # noqa: F401
     register,
 )
 from vtoken.policies.scores import ScoreAccumulator, accumulate_batch, window_key_scores  # noqa: F401
+from vtoken.policies.trace import Decision, ReplayDivergenceError, ReplayPolicy, TraceRecorder  # noqa: F401
 
 # Importing the policy modules registers them.
 from vtoken.policies import h2o, random, scissorhands, snapkv, streamingllm, tova  # noqa: E402,F401
