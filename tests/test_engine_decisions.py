@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import TINY, POLICY_CFG, EAGER_RECLAIM, prompts as _prompts
+from vtoken.buffers import DeltaShipper
 from vtoken.engine.model import LlamaModel, ModelConfig
 from vtoken.engine.scheduler import Engine, EngineConfig
 from vtoken.errors import InvalidArgumentError
@@ -96,7 +97,7 @@ def test_the_host_learns_victims_one_step_late(model, monkeypatch):
     assert eng.runner.mirror.host_copy(rid)[1].sum() == 4  # the device mirror already dropped them
     eng.step()  # the next step applies them first
     assert eng.table.live_count(rid) == 5 and eng.stats[-1].evicted == 9
-    eng.runner.mirror.check_against_table()
+    eng.decisions.check_mirror()
 
 
 def test_decision_must_be_device_or_host(model):
@@ -142,5 +143,31 @@ def test_preemption_with_device_decisions_in_flight(model, policy, monkeypatch):
     assert sum(s.evicted for s in eng.stats) > 0
     eng.decisions.drain_all()
     eng.table.check_invariants()
-    eng.runner.mirror.check_against_table()
+    eng.decisions.check_mirror()
     assert eng.table.ledger.num_allocated == 0
+
+
+@pytest.mark.parametrize("policy", ("streamingllm", "random"))
+def test_a_device_decision_is_applied_on_the_device_once(model, policy, monkeypatch):
+    """The device loop kills its victims in the mirror; the host's later evict of the same victims ships no
+    alive bit back (journal origin "device"), and the tokens equal the host-decided run's."""
+    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
+    shipped_dead = []
+    set_alive = DeltaShipper.set_alive
+
+    def recording(self, positions, value):
+        if value == 0:
+            shipped_dead.append(len(positions))
+        return set_alive(self, positions, value)
+
+    monkeypatch.setattr(DeltaShipper, "set_alive", recording)
+    prompts = _prompts((20, 27, 33, 14), seed=3)
+    dev, out_dev = _run(model, "vtoken", policy, "device", prompts)
+    evicted = sum(s.evicted for s in dev.stats)
+    assert evicted > 0 and dev.runner.mirror.device_evictions_applied == evicted
+    assert sum(shipped_dead) == 0  # no eviction went back to the device
+    shipped_dead.clear()
+    host, out_host = _run(model, "vtoken", policy, "host", prompts)
+    assert sum(shipped_dead) == sum(s.evicted for s in host.stats) > 0  # host decisions do ship
+    assert host.runner.mirror.device_evictions_applied == 0
+    assert out_dev == out_host

@@ -771,3 +771,19 @@ def test_evict_batch_names_an_unsigned_id_past_int64_as_given():
     assert_same(before, t.snapshot())
     t.evict_batch(["a"], [np.array([0, 1], dtype=np.uint64)])  # small unsigned ids still work
     assert not t.is_alive("a", [0, 1]).any()
+
+
+def test_evict_origin_travels_in_the_journal_and_a_bad_one_changes_nothing():
+    from vtoken.errors import InvalidArgumentError
+
+    t = make_table(16, 4)
+    t.add_request("a")
+    t.sync_new_tokens("a", 6)
+    reader = t.journal.subscribe()
+    t.evict("a", [1])
+    t.evict_flat(["a"], np.array([2]), np.array([1]), origin="device")
+    events = t.journal.take(reader)
+    assert [(e[0], e[3]) for e in events] == [("evict", "host"), ("evict", "device")]
+    with pytest.raises(InvalidArgumentError, match="origin: expected one of"):
+        t.evict("a", [3], origin="gpu")
+    assert t.live_count("a") == 4 and t.journal.take(reader) == []

@@ -242,7 +242,7 @@ class DeviceMirror:
         self.deltas = DeltaShipper(self.device)
         self.relayouts = 0
         self._layout_listeners: list = []  # called with (source, new_size) when positions move or the arena grows
-        self._kill_sources: list = []  # weak refs to device-side deciders (see add_kill_source)
+        self.device_evictions_applied = 0  # evictions the table learned from kill_on_device: never shipped back
         self._reader = None
         if table is not None:
             self._reader = table.journal.subscribe()
@@ -304,22 +304,6 @@ class DeviceMirror:
         ref = weakref.WeakMethod(listener) if hasattr(listener, "__self__") else (lambda fn=listener: fn)
         self._layout_listeners.append(ref)
 
-    def add_kill_source(self, source) -> None:
-        """Register an object that kills on the device (:meth:`kill_on_device`) ahead of the table.
-
-        ``source.pending_victims()`` -> {request: token ids} not yet applied on
-        the host; :meth:`check_against_table` expects exactly those bits cleared.
-        """
-        self._kill_sources.append(weakref.ref(source))
-
-    def _pending_kills(self) -> dict:
-        pending: dict = {}
-        for ref in self._kill_sources:
-            src = ref()
-            for req, ids in ({} if src is None else src.pending_victims()).items():
-                pending[req] = np.concatenate([pending.get(req, ids[:0]), ids])
-        return pending
-
     def _notify_layout(self, source: torch.Tensor) -> None:
         self._layout_listeners = [ref for ref in self._layout_listeners if ref() is not None]
         for ref in self._layout_listeners:
@@ -330,8 +314,9 @@ class DeviceMirror:
 
         The device-side decision loop evicts here first; the host table learns
         the same victims a step later (:mod:`vtoken.decision_loop`), and its
-        journal's ``evict`` then clears the same bits again (idempotent) and
-        brings the host-side live counts up to date. Until then
+        journal's ``evict`` event (origin ``"device"``) then brings the
+        host-side live counts up to date without shipping those bits back: the
+        decision is applied on the device once. Until then
         :meth:`live_count` and ``kv_indptr_host`` count those victims: an upper bound.
         Entries with ``kill`` False may hold any in-range position (duplicates
         included): they leave the bit as it is. Call :meth:`flush` first (a
@@ -419,9 +404,12 @@ class DeviceMirror:
         self._n[rows] += counts
         self._nlive[rows] += counts
 
-    def _on_evict(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+    def _on_evict(self, rows: np.ndarray, token_ids: np.ndarray, origin: str = "host") -> None:
         if token_ids.size:
-            self.deltas.set_alive(self._start[rows] + token_ids, 0)
+            if origin == "device":  # kill_on_device cleared these bits already: nothing to ship back
+                self.device_evictions_applied += int(token_ids.size)
+            else:
+                self.deltas.set_alive(self._start[rows] + token_ids, 0)
             np.subtract.at(self._nlive, rows, 1)
 
     def _on_move(self, row: int, token_ids: np.ndarray, old_slots: np.ndarray, new_slots: np.ndarray) -> None:
@@ -564,8 +552,12 @@ class DeviceMirror:
         buffers.kv_indptr_host[n + 1 :] = buffers.kv_indptr_host[n]
 
     # -------------------------------------------------------------- checking
-    def check_against_table(self, table=None) -> None:
-        """I2 for the mirror: it tracks the table's requests, with equal slots / alive (syncs the device)."""
+    def check_against_table(self, table=None, *, pending_kills: Optional[dict] = None) -> None:
+        """I2 for the mirror: it tracks the table's requests, with equal slots / alive (syncs the device).
+
+        ``pending_kills``: {request: token ids} killed on the device (:meth:`kill_on_device`) that the
+        table has yet to learn (a decision loop's ``pending_victims()``); exactly those bits may differ.
+        """
         table = self.table if table is None else table
         self.sync()
         self.flush()
@@ -574,7 +566,7 @@ class DeviceMirror:
         slots = self.slots.cpu().numpy()
         alive = self.alive.cpu().numpy()
         covered = np.zeros(len(alive), dtype=bool)
-        pending = self._pending_kills()
+        pending = {} if pending_kills is None else pending_kills
         for req, row in self._tracked.items():
             s, n = int(self._start[row]), int(self._n[row])
             if n != table.num_tokens(req) or int(self._nlive[row]) != table.live_count(req):

@@ -152,7 +152,6 @@ class DecisionLoop:
         # Per-step key mass by mirror position (+1 trash); token_attention adds into it, decide() resets it.
         self.token_mass = torch.zeros(cap + 1, dtype=torch.float32, device=self.device) if self.scored else None
         mirror.add_layout_listener(self._follow_layout)
-        mirror.add_kill_source(self)  # its checks then know which device kills the host has yet to apply
         num_slots = self.num_blocks * self.block_size
         dev = dict(device=self.device)
         self._slot_ids = torch.arange(num_slots, dtype=torch.int32, **dev)
@@ -438,9 +437,14 @@ class DecisionLoop:
             return AppliedRecord(reqs, meta.seq_lens[decided], dcounts, tids.astype(np.int64), meta.step, self.steps,
                                  np.zeros(len(reqs), dtype=bool))
         if live_counts.any():
-            self.table.evict_flat([reqs[i] for i in live], live_ids, live_counts)
+            # origin "device": _device_step killed these in the mirror already; the mirror ships nothing back
+            self.table.evict_flat([reqs[i] for i in live], live_ids, live_counts, origin="device")
         self.num_applied += int(live_counts.sum())
         return AppliedRecord(reqs, meta.seq_lens[decided], dcounts, tids.astype(np.int64), meta.step, self.steps, keep)
+
+    def check_mirror(self) -> None:
+        """I2 for this loop's mirror against the host table, the device kills not yet drained excepted (syncs)."""
+        self.mirror.check_against_table(self.table, pending_kills=self.pending_victims())
 
     def pending_victims(self) -> dict:
         """{request: token ids} killed on the device and not yet applied on the host (debug checks: syncs)."""

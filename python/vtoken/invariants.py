@@ -143,11 +143,13 @@ def check_table(table) -> None:
         raise InvariantViolation("a free or in-flight destination block appears in a block list")
 
 
-def check_mapping(table, mirror=None) -> None:
-    """I2 plus conservation and live-count recounts; the device mirror against the table."""
+def check_mapping(table, mirror=None, pending_kills: Optional[dict] = None) -> None:
+    """I2 plus conservation and live-count recounts; the device mirror against the table.
+
+    ``pending_kills``: the device kills the table has yet to learn (``DeviceMirror.check_against_table``)."""
     table.check_invariants()
     if mirror is not None:
-        mirror.check_against_table()
+        mirror.check_against_table(pending_kills=pending_kills)
 
 
 # ----------------------------------------------------------------------- I4

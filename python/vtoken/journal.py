@@ -11,7 +11,9 @@ Events (rows are the table's stable row ids, valid from ``add`` to ``finish``):
   any, follow as an ``append``);
 - ``("append", rows int64[k], counts int64[k], slots int32[sum(counts)])``:
   new tokens, request after request, alive;
-- ``("evict", rows int64[m], token_ids int64[m])``: tokens died;
+- ``("evict", rows int64[m], token_ids int64[m], origin)``: tokens died; ``origin``
+  is ``"host"``, or ``"device"`` when a device decision loop already cleared
+  their alive bits in its mirror (a mirror then ships nothing back);
 - ``("move", row, token_ids int64[m], old_slots int32[m], new_slots int32[m])``:
   live tokens took new slots (a relocation commit; a copy reads ``old_slots``);
 - ``("finish", row)``: the request left; the row may be reused by a later ``add``.
@@ -21,6 +23,8 @@ With no reader, emitting costs nothing.
 from __future__ import annotations
 
 from vtoken.errors import InvalidArgumentError
+
+EVICT_ORIGINS = ("host", "device")  # who decided an eviction: see the "evict" event above
 
 
 class DeltaJournal:

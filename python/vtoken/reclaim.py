@@ -34,7 +34,7 @@ owns the step counter and the metrics.
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -61,6 +61,8 @@ class ReclamationManager:
             copy; ``None`` runs the bookkeeping only (no data moves).
         mirror: a :class:`vtoken.buffers.DeviceMirror` checked against the table
             (I2, debug only); it follows the table's journal by itself.
+        pending_kills: ``() -> {request: token ids}`` killed on the device and not yet in the table
+            (a decision loop's ``pending_victims``): the I2 check expects those bits cleared.
         copy_engine: a prepared :class:`CopyEngine` (else one is built); its
             ``max_moves`` must cover a step's moves (see :meth:`moves_capacity`).
         compute_stream / device: passed to the copy engine.
@@ -86,6 +88,7 @@ class ReclamationManager:
         kv_caches: Optional[Sequence] = None,
         layout=None,
         mirror=None,
+        pending_kills: Optional[Callable[[], dict]] = None,
         copy_engine: Optional[CopyEngine] = None,
         compute_stream=None,
         device=None,
@@ -113,7 +116,7 @@ class ReclamationManager:
         self.trigger.reserve_headroom()  # the first state change: every argument is valid
         self.copy_engine = copy_engine
         self.mirror = mirror
-        self.checks = ReclaimChecks(table, copy_engine, mirror, self.config.check_invariants)
+        self.checks = ReclaimChecks(table, copy_engine, mirror, self.config.check_invariants, pending_kills)
         self.executor = PlanExecutor(table, copy_engine, self.checks)
         self.metrics = MetricsLog()
         self.step = 0

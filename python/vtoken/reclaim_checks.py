@@ -6,7 +6,7 @@ wait on the copies, so they never run on a production step.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from vtoken import invariants
 from vtoken.errors import InvariantViolation
@@ -21,12 +21,16 @@ class ReclaimChecks:
         copy_engine: the :class:`vtoken.copy_engine.CopyEngine` (its caches and layout are read).
         mirror: the device mirror compared with the table (I2), or ``None``.
         flag: ``True`` / ``False``, or ``None`` to read ``VTOKEN_DEBUG_INVARIANTS`` at each call.
+        pending_kills: ``() -> {request: token ids}``, the device kills the table has yet to learn
+            (a decision loop's ``pending_victims``), or ``None`` when nothing kills on the device.
     """
 
-    def __init__(self, table, copy_engine, mirror, flag: Optional[bool]):
+    def __init__(self, table, copy_engine, mirror, flag: Optional[bool],
+                 pending_kills: Optional[Callable[[], dict]] = None):
         self.table = table
         self.copy_engine = copy_engine
         self.mirror = mirror
+        self.pending_kills = pending_kills
         self.flag = flag
         # request -> (its registration number, live ids, every layer's K/V rows) at launch
         self._before: dict = {}
@@ -79,4 +83,5 @@ class ReclaimChecks:
                         f"I1: live ids / K/V bytes of request {req!r} changed across a relocation"
                     )
             self._before = {}
-        invariants.check_mapping(table, self.mirror)
+        pending = None if self.pending_kills is None or self.mirror is None else self.pending_kills()
+        invariants.check_mapping(table, self.mirror, pending)

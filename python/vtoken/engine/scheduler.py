@@ -317,6 +317,7 @@ class Engine:
         self.reclaimer = ReclamationManager(
             self.table, config.reclaim, kv_caches=self.runner.kv_caches, layout=self.runner.layout,
             mirror=self.runner.mirror, device=self.runner.device,
+            pending_kills=None if self.decisions is None else self.decisions.pending_victims,
         )
         self.runner.reclaimer = self.reclaimer
         self.waiting: collections.deque[Request] = collections.deque()

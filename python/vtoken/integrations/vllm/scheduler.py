@@ -341,7 +341,7 @@ class SchedulerSide:
                     self.stats["stale_decisions"] += 1  # finished, or preempted and re-admitted since
                     continue
                 held = self.table.held_blocks(rid)
-                self.table.evict(rid, victims)
+                self.table.evict(rid, victims, origin="device")  # the workers killed them in their mirrors
                 self.stats["naive_released_blocks"] += held - self.table.held_blocks(rid)
                 self.stats["evicted_tokens"] += int(victims.size)
                 self.stats["decisions_applied"] += 1
