@@ -160,11 +160,12 @@ def _install_profile_hook(runner_cls) -> None:
         # cannot be allocated before the profile instead: their size follows the KV capacity the
         # profile decides, and the connector's worker side only exists after it.
         n = workspace.profile_reserve_bytes(self)
-        workspace.PROFILE_RESERVE = torch.empty(n, dtype=torch.uint8, device=self.device) if n else None
+        # Held by the runner it is profiled for, for the profile only.
+        self.vtoken_profile_reserve = torch.empty(n, dtype=torch.uint8, device=self.device) if n else None
         try:
             return profile(self, *args, **kwargs)
         finally:
-            workspace.PROFILE_RESERVE = None
+            self.vtoken_profile_reserve = None
 
     profile_run._vtoken_hook = True
     runner_cls.profile_run = profile_run
