@@ -184,7 +184,7 @@ def test_allocator_drops_hash_only_when_the_last_reference_goes():
 
 
 # --------------------------------------------------------------------------- surgery
-def test_apply_block_list_rewrites_positions_and_checks_vllm_agrees(model_dir):
+def test_apply_block_list_rewrites_the_positions_that_differ_from_vllms_list(model_dir):
     from vtoken.errors import InvariantViolation
     from vtoken.integrations.vllm.surgery import apply_block_list, block_ids
 
@@ -196,11 +196,14 @@ def test_apply_block_list_rewrites_positions_and_checks_vllm_agrees(model_dir):
     spare = side.pool.get_new_blocks(1)[0].block_id
     new = old.copy()
     new[1], new[2] = 0, spare
-    assert apply_block_list(side.stm, side.pool, "r0", new, old).tolist() == [1, 2]
+    assert apply_block_list(side.stm, side.pool, "r0", new).tolist() == [1, 2]
     assert block_ids(side.stm, "r0").tolist() == new.tolist()
     assert side.stm.req_to_blocks["r0"][1] is side.pool.null_block
-    with pytest.raises(InvariantViolation, match="vtoken expected"):
-        apply_block_list(side.stm, side.pool, "r0", old, old + 1)
+    assert apply_block_list(side.stm, side.pool, "r0", new).size == 0  # vLLM's list is the other copy: no change left
+    assert apply_block_list(side.stm, side.pool, "r0", new[:3]).size == 0  # positions past the table's are vLLM's
+    with pytest.raises(InvariantViolation, match="has 5 entries, vtoken's 6"):
+        apply_block_list(side.stm, side.pool, "r0", np.concatenate([new, [spare]]))
+    assert block_ids(side.stm, "r0").tolist() == new.tolist()  # refused: unchanged
 
 
 # --------------------------------------------------------------------------- block surgery in a real scheduler
@@ -704,7 +707,7 @@ def _meta(w, reqs, qlens, decode):
     kv_indices = bufs.kv_indices if w.fixed_slot_lists is not None else bufs.kv_indices[:total]  # as prepare_step
     return VTokenAttentionMetadata(int(sum(qlens)), n, q_indptr, kv_indices=kv_indices,
                                    kv_indptr=bufs.kv_indptr[: n + 1], want_scores=w.want_scores,
-                                   uniform_decode=decode)
+                                   uniform_decode=decode, worker=w)
 
 
 # Triton (the GPU's plan, interpreted here) and vtoken._C's C++ CPU kernel (what vLLM on CPU runs).
@@ -721,7 +724,6 @@ def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(mon
     from test_token_attention import KEY_SCORE_TOL, UNIT_ROUNDOFF
 
     from vtoken import ops
-    from vtoken.integrations.vllm import worker as worker_mod
     from vtoken.integrations.vllm.attention import VTokenAttentionImpl
     from vtoken.reference.token_attention import token_attention as ref_attention
     from vtoken_kernels import contracts
@@ -754,15 +756,11 @@ def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(mon
     t = meta.num_actual_tokens
     gen = torch.Generator().manual_seed(2)
     qs = [torch.randn(t + 3, hq, d, generator=gen) for _ in caches]  # vLLM pads its query rows
-    worker_mod.set_current(w)
-    try:
-        outs = []
-        for q, cache in zip(qs, caches):
-            out = torch.full((t + 3, hq, d), float("nan"))
-            impl.forward(None, q, None, None, cache, meta, out)
-            outs.append(out)
-    finally:
-        worker_mod.set_current(None)
+    outs = []
+    for q, cache in zip(qs, caches):  # the worker comes with the metadata
+        out = torch.full((t + 3, hq, d), float("nan"))
+        impl.forward(None, q, None, None, cache, meta, out)
+        outs.append(out)
     assert calls == {"plan": 1, "validate": 1, "key_scores": 0} and w.stats["attention_plans"] == 1
     ws = w._workspace.untyped_storage().data_ptr()
     if backend == "triton":
@@ -793,7 +791,6 @@ def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(mon
 def test_grown_slot_lists_plan_decode_without_logits_and_keep_the_workspace(monkeypatch):
     """Shared prefixes list more keys than the workspace's entries: decode plans on the varlen path, same result."""
     monkeypatch.setenv("VTOKEN_BACKEND", "triton")  # the GPU's plan (on CPU tensors dispatch picks the C++ kernel)
-    from vtoken.integrations.vllm import worker as worker_mod
     from vtoken.integrations.vllm.attention import VTokenAttentionImpl
     from vtoken.reference.token_attention import token_attention as ref_attention
 
@@ -809,11 +806,7 @@ def test_grown_slot_lists_plan_decode_without_logits_and_keep_the_workspace(monk
     impl = VTokenAttentionImpl(num_heads=hq, head_size=d, scale=d ** -0.5, num_kv_heads=h)
     q = torch.randn(n, hq, d, generator=torch.Generator().manual_seed(3))
     out = torch.full((n, hq, d), float("nan"))
-    worker_mod.set_current(w)
-    try:
-        impl.forward(None, q, None, None, caches[0], meta, out)
-    finally:
-        worker_mod.set_current(None)
+    impl.forward(None, q, None, None, caches[0], meta, out)
     assert not meta.plan.args.decode and meta.plan.plan.logits.numel() == 1  # no [hq, entries] logits
     assert w._workspace.data_ptr() == ws and w._workspace_entries == entries  # never reallocated
     o, ks = ref_attention(q.double(), caches[0].double(), w.layout, meta.kv_indices, meta.kv_indptr, None,
@@ -880,13 +873,14 @@ def test_profile_run_holds_the_reserve_through_the_profiling_forward(monkeypatch
         device = torch.device("cpu")
 
         def profile_run(self, randomize_inputs=False):
-            r = workspace.PROFILE_RESERVE
+            r = self.vtoken_profile_reserve
             seen.append(None if r is None else (r.numel(), r.dtype))
 
     plugin._install_profile_hook(Runner)
     monkeypatch.setattr(workspace, "profile_reserve_bytes", lambda runner: 12345)
-    Runner().profile_run()
-    assert seen == [(12345, torch.uint8)] and workspace.PROFILE_RESERVE is None
+    runner = Runner()
+    runner.profile_run()
+    assert seen == [(12345, torch.uint8)] and runner.vtoken_profile_reserve is None  # held by the runner, then freed
     monkeypatch.setattr(workspace, "profile_reserve_bytes", lambda runner: 0)
     Runner().profile_run()
     assert seen[-1] is None
@@ -899,3 +893,122 @@ def test_connector_refuses_full_decode_graphs_with_prefix_caching(model_dir):
         make_scheduler(model_dir, block_size=BS, num_blocks=64, prefix_caching=True, max_num_seqs=8,
                        max_num_batched_tokens=2048, async_scheduling=False,
                        extra=extra("vtoken", full_decode_graphs=True))
+
+
+def _common_metadata(num_reqs: int):
+    """vLLM's CommonAttentionMetadata of a decode batch of ``num_reqs`` rows (what a runner hands the builders)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.arange(num_reqs + 1, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=torch.ones(num_reqs, dtype=torch.int32),
+        num_reqs=num_reqs, num_actual_tokens=num_reqs, max_query_len=1, max_seq_len=1,
+        block_table_tensor=torch.zeros(num_reqs, 1, dtype=torch.int32),
+        slot_mapping=torch.zeros(num_reqs, dtype=torch.int64),
+    )
+
+
+def test_connector_binds_its_worker_to_the_layers_it_registers_and_the_metadata_carries_it(model_dir):
+    """register_kv_caches binds the WorkerSide to the layers' attention; their builder puts it in the metadata."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vtoken.errors import InvariantViolation
+    from vtoken.integrations.vllm.attention import VTokenAttentionImpl, VTokenAttentionMetadataBuilder
+    from vtoken.integrations.vllm.connector import VTokenConnector
+
+    kvt = KVTransferConfig(kv_connector="VTokenConnector", kv_connector_module_path="vtoken.integrations.vllm.connector",
+                           kv_role="kv_both", kv_connector_extra_config={"mode": "native"})
+    cfg = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="float32", block_size=BS,
+                     kv_transfer_config=kvt).create_engine_config()
+    h, d = 2, 16
+    layers = cfg.compilation_config.static_forward_context
+    for i in range(2):  # the model's attention layers, as vLLM registers them when it builds the model
+        layers[f"l{i}"] = SimpleNamespace(impl=VTokenAttentionImpl(num_heads=h, head_size=d, scale=1.0, num_kv_heads=h))
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=h, head_size=d, dtype=torch.float32)
+    builder = VTokenAttentionMetadataBuilder(spec, ["l0", "l1"], cfg, torch.device("cpu"))
+    assert builder.worker is None
+    meta = builder.build(0, _common_metadata(2))  # profiling: no worker yet, no KV to read
+    assert meta.worker is None and meta.kv_indices is None
+    conn = VTokenConnector(cfg, KVConnectorRole.WORKER)
+    conn.register_kv_caches({f"l{i}": torch.zeros(8, h, BS, 2 * d) for i in range(2)})
+    w = conn.worker_side
+    assert builder.worker is w and all(layers[f"l{i}"].impl.worker is w for i in range(2))
+    # The V1 runner's build with no row order handed over (no plugin hook) is refused, naming the hook.
+    with pytest.raises(InvariantViolation, match="batch order was not published"):
+        builder.build(0, _common_metadata(2))
+    builder.batch_req_ids = None  # a dummy batch: the worker, no slot lists
+    meta = builder.build(0, _common_metadata(2))
+    assert meta.worker is w and meta.kv_indices is None and meta.req_ids is None
+
+
+def test_v1_runner_hook_hands_the_row_order_to_the_builders_for_the_build_only(model_dir):
+    """The plugin's hook sets each vtoken builder's batch_req_ids around a build (None in a dummy run), then unsets it."""
+    from types import SimpleNamespace
+
+    from vtoken.integrations.vllm import plugin
+    from vtoken.integrations.vllm.attention import UNPUBLISHED
+
+    sched, fw = setup(model_dir, "vtoken", n=1, v2_builder=True)
+    builder = fw.builder
+    seen = []
+
+    class Runner:
+        def __init__(self):
+            self.attn_groups = [[SimpleNamespace(metadata_builders=[builder])]]
+            self.input_batch = SimpleNamespace(req_ids=["a", "b", "c"])
+
+        def _build_attention_metadata(self, num_tokens, num_reqs, **kw):
+            seen.append(builder.batch_req_ids)
+
+        def _dummy_run(self, num_tokens):
+            self._build_attention_metadata(num_tokens, num_reqs=1)
+
+    plugin._install_batch_order_hook(Runner)
+    plugin._install_batch_order_hook(Runner)  # idempotent
+    r = Runner()
+    r._build_attention_metadata(4, 2)
+    r._dummy_run(8)
+    r._build_attention_metadata(4, num_reqs=3)
+    assert seen == [["a", "b"], None, ["a", "b", "c"]]
+    assert builder.batch_req_ids is UNPUBLISHED  # nothing outlives the build
+
+
+def test_integrations_vllm_keeps_no_process_global_state():
+    """No module of integrations/vllm holds the worker, the batch or a reserve in a module-level global."""
+    import ast
+    import pathlib
+
+    import vtoken.integrations.vllm as pkg
+
+    # NOTE: the plugin's one-shot registration flag (vLLM calls register() in every process it
+    # starts) is the only name a function may rebind; it holds no worker, batch or tensor.
+    rebinding_allowed = {("plugin.py", "_REGISTERED")}
+    constant_calls = {"object", "getLogger", "init_logger"}  # a sentinel, the loggers
+    bad = []
+    for path in sorted(pathlib.Path(pkg.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+                continue
+            names = [t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                     if isinstance(t, ast.Name)]
+            if names == ["__all__"]:
+                continue
+            v = node.value
+            if isinstance(v, ast.Call):
+                fn = v.func.attr if isinstance(v.func, ast.Attribute) else getattr(v.func, "id", "")
+                if fn not in constant_calls:
+                    bad.append((path.name, names, ast.unparse(v)))  # threading.local(), Lock(), dict(), ...
+            elif isinstance(v, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)):
+                bad.append((path.name, names, ast.unparse(v)))
+            elif isinstance(v, ast.Constant) and v.value is None:
+                bad.append((path.name, names, "None"))  # a slot filled at run time
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                bad += [(path.name, [n], "global") for n in node.names if (path.name, n) not in rebinding_allowed]
+    assert bad == []

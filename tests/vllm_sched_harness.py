@@ -12,6 +12,7 @@ table gives it (so relocations moved the right bytes).
 from __future__ import annotations
 
 import zlib
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -119,8 +120,14 @@ class FakeWorker:
             from vtoken.integrations.vllm.attention import VTokenAttentionMetadataBuilder
 
             spec = FullAttentionSpec(block_size=bs, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
-            self.builder = VTokenAttentionMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], sched.vllm_config,
-                                                          torch.device("cpu"))
+            from vtoken.integrations.vllm.attention import VTokenAttentionImpl, bind_worker
+
+            layer = "model.layers.0.self_attn.attn"
+            # The model's attention layer as vLLM registers it; the connector binds the worker to it.
+            impl = VTokenAttentionImpl(num_heads=NUM_KV_HEADS, head_size=HEAD_DIM, scale=1.0, num_kv_heads=NUM_KV_HEADS)
+            sched.vllm_config.compilation_config.static_forward_context[layer] = SimpleNamespace(impl=impl)
+            bind_worker(sched.vllm_config, [layer], self.worker)
+            self.builder = VTokenAttentionMetadataBuilder(spec, [layer], sched.vllm_config, torch.device("cpu"))
             self.builder.runner_v2 = True  # the CPU config picks the V1 runner; this builder plays V2's part
 
     def _rng(self, req_id: str, stream: int):
@@ -197,8 +204,6 @@ class FakeWorker:
         """Model Runner V2's order around one step's attention metadata (see ``v2_builder``)."""
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
-        from vtoken.integrations.vllm import worker as worker_mod
-
         w = self.worker
         qlens = [so.num_scheduled_tokens[r] for r in reqs]
         t = int(sum(qlens))
@@ -215,18 +220,14 @@ class FakeWorker:
             block_table_tensor=torch.zeros(n, 1, dtype=torch.int32),
             slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)), req_idx=np.arange(len(reqs)),
         )
-        prev = worker_mod.current()
-        worker_mod.set_current(w)
-        try:
-            meta = self.builder.build(0, cm)
-            if w.fixed_slot_lists is None:
-                assert meta.kv_indices is None  # nothing to read before the connector has the step
-            else:  # the whole fixed buffer from the start, as a captured graph reads it
-                assert meta.kv_indices is w.buffers.kv_indices
-            w.begin_step(so.kv_connector_metadata)
-            w.prepare_step(request_ids=list(reqs))
-        finally:
-            worker_mod.set_current(prev)
+        meta = self.builder.build(0, cm)
+        assert meta.worker is w  # the forward reaches the worker through the metadata
+        if w.fixed_slot_lists is None:
+            assert meta.kv_indices is None  # nothing to read before the connector has the step
+        else:  # the whole fixed buffer from the start, as a captured graph reads it
+            assert meta.kv_indices is w.buffers.kv_indices
+        w.begin_step(so.kv_connector_metadata)
+        w.prepare_step(request_ids=list(reqs))
         # The metadata now reads the rows' live slots, in the runner's row order.
         want = [w.mirror.host_copy(r) for r in reqs]
         want = np.concatenate([sl[alive] for sl, alive in want]) if want else np.zeros(0, np.int32)

@@ -43,7 +43,6 @@ config being built uses the vtoken connector and to vLLM's
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
@@ -60,28 +59,32 @@ from vllm.v1.attention.backend import (
 )
 
 from vtoken.errors import InvariantViolation
-from vtoken.integrations.vllm import worker as worker_mod
 from vtoken_kernels.contracts import MAX_HEAD_DIM
 
 CONNECTOR_NAME = "VTokenConnector"
 
 # --------------------------------------------------------------------------- batch order
-# NOTE: vLLM's CommonAttentionMetadata does not name the requests of its rows.
-# On the V1 runner the plugin wraps GPUModelRunner._build_attention_metadata /
-# _dummy_run (docs/vllm.md) to publish the persistent batch's order here; Model
-# Runner V2 names them in the connector's start_load_kv (request_ids).
-_BATCH = threading.local()
+# NOTE: vLLM's CommonAttentionMetadata does not name the requests of its rows. On the
+# V1 runner the plugin wraps GPUModelRunner._build_attention_metadata / _dummy_run
+# (docs/vllm.md) to hand the persistent batch's order to this backend's builders
+# (VTokenAttentionMetadataBuilder.batch_req_ids); Model Runner V2 names the requests
+# in the connector's start_load_kv (request_ids).
 UNPUBLISHED = object()  # no runner hook around this build: the batch order is unknown
 
 
-def publish_batch(req_ids) -> None:
-    """Set the request ids of the rows of the attention metadata being built (None: a dummy run)."""
-    _BATCH.req_ids = req_ids
+def bind_worker(vllm_config, layer_names, worker) -> None:
+    """Bind ``worker`` (a :class:`vtoken.integrations.vllm.worker.WorkerSide`) to the vtoken attention layers named.
 
-
-def published_batch():
-    """The published request ids, None for a dummy run, or :data:`UNPUBLISHED`."""
-    return getattr(_BATCH, "req_ids", UNPUBLISHED)
+    The connector calls it at ``register_kv_caches`` with the layers whose KV
+    caches it registered; each layer's builder reads the worker from its first
+    layer (:meth:`VTokenAttentionMetadataBuilder.worker`) and hands it to the
+    forward in the metadata it builds. None unbinds.
+    """
+    layers = vllm_config.compilation_config.static_forward_context
+    for name in layer_names:
+        impl = getattr(layers.get(name), "impl", None)
+        if isinstance(impl, VTokenAttentionImpl):
+            impl.worker = worker
 
 
 # --------------------------------------------------------------------------- backend
@@ -136,6 +139,7 @@ class VTokenAttentionMetadata:
     seq_lens: Optional[np.ndarray] = None  # host upper bound per row (debug checks)
     slot_mapping: Optional[torch.Tensor] = None  # vLLM's (debug checks)
     req_ids: Optional[list] = None  # the V1 runner's batch order (plugin hook); V2 names it in start_load_kv
+    worker: Optional[object] = None  # the WorkerSide bound to the layers (bind_worker); None: no KV this step
     kv_indices: Optional[torch.Tensor] = None  # int32 [>= total] (fixed-address buffer), None: no KV this step
     kv_indptr: Optional[torch.Tensor] = None  # int32 [num_reqs + 1], padding rows empty
     want_scores: bool = False
@@ -159,6 +163,15 @@ class VTokenAttentionMetadataBuilder(AttentionMetadataBuilder[VTokenAttentionMet
         self.block_size = kv_cache_spec.block_size
         # V2 names the rows' requests to the connector (start_load_kv); V1 only through the plugin's hook.
         self.runner_v2 = bool(vllm_config.use_v2_model_runner)
+        # The V1 runner's row order for the build in progress, set by the plugin's hook around it;
+        # None: a dummy batch (warm-up, CUDA-graph capture); UNPUBLISHED: no hook ran.
+        self.batch_req_ids = UNPUBLISHED
+
+    @property
+    def worker(self):
+        """The WorkerSide bound to this builder's layers (:func:`bind_worker`), or None before ``register_kv_caches``."""
+        layer = self.vllm_config.compilation_config.static_forward_context.get(self.layer_names[0])
+        return getattr(getattr(layer, "impl", None), "worker", None)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> VTokenAttentionMetadata:
@@ -166,10 +179,11 @@ class VTokenAttentionMetadataBuilder(AttentionMetadataBuilder[VTokenAttentionMet
         q_indptr = cm.query_start_loc[: cm.num_reqs + 1]
         meta = VTokenAttentionMetadata(cm.num_actual_tokens, cm.num_reqs, q_indptr,
                                        uniform_decode=cm.max_query_len == 1 and cm.num_actual_tokens == cm.num_reqs)
-        worker = worker_mod.current()
-        req_ids = published_batch()
+        worker = self.worker
+        req_ids = self.batch_req_ids
         if worker is None or not worker.ready:
             return meta  # profiling before the KV caches exist: no KV to read
+        meta.worker = worker  # the forward plans and scores through it
         if req_ids is None:  # the V1 runner's dummy batch (warm-up, CUDA-graph capture)
             worker.attach_fixed_slot_lists(meta)  # a captured graph must read the fixed buffers
             return meta
@@ -210,6 +224,7 @@ class VTokenAttentionImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
+        self.worker = None  # the connector's WorkerSide, bound at register_kv_caches (bind_worker)
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
@@ -245,7 +260,7 @@ class VTokenAttentionImpl(AttentionImpl):
             return output
         # NOTE: vLLM hands every layer of a KV cache group the same metadata object, so the first
         # layer plans the step (validation, tiling, workspaces) and the others only run the plan.
-        worker = worker_mod.current()
+        worker = attn_metadata.worker
         step = worker.plan_attention(attn_metadata, num_q_heads=self.num_heads, dtype=query.dtype, scale=self.scale)
         step.run(query[:t], kv_cache, out=out, score_out=worker.score_out if attn_metadata.want_scores else None)
         return output

@@ -114,13 +114,16 @@ class VTokenConnector(KVConnectorBase_V1):
                                   if self.vtoken_config.full_decode_graphs else None),
                 attention=shape,
             )
-            worker.set_current(self.worker_side)
         logger.info("vtoken connector (%s role): mode=%s policy=%s", role.name, self.vtoken_config.mode,
                     self.vtoken_config.policy)
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict) -> None:
+        from vtoken.integrations.vllm.attention import bind_worker
+
         self.worker_side.register_kv_caches(kv_caches)
+        # The attention of these layers reaches the worker through the metadata their builder makes.
+        bind_worker(self._vllm_config, kv_caches, self.worker_side)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # Before the forward on both runners (V1: before the attention metadata is
@@ -154,11 +157,6 @@ class VTokenConnector(KVConnectorBase_V1):
             self.worker_side.clear()
 
     def shutdown(self):
-        if self.worker_side is not None:
-            from vtoken.integrations.vllm import worker
-
-            if worker.current() is self.worker_side:
-                worker.set_current(None)
         if self.scheduler_side is not None:
             self.scheduler_side.shutdown()
 

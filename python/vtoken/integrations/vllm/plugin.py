@@ -10,10 +10,11 @@ core, workers) before building a model. It:
    with a path that resolves to vtoken's backend only when the config being
    built uses the vtoken connector (vLLM's ``CPUAttentionBackend`` otherwise);
 3. wraps ``GPUModelRunner._build_attention_metadata`` / ``_dummy_run`` of the
-   V1 runner (the V1 CPU runner inherits them) to publish the batch's request
-   order to vtoken's metadata builder: on V1 neither the builders nor the
-   connector receive request ids. Model Runner V2 passes them to the
-   connector's ``start_load_kv`` and needs no hook;
+   V1 runner (the V1 CPU runner inherits them) to hand the batch's request
+   order to the runner's vtoken metadata builders (``batch_req_ids``, for the
+   build in progress): on V1 neither the builders nor the connector receive
+   request ids. Model Runner V2 passes them to the connector's
+   ``start_load_kv`` and needs no hook;
 4. wraps ``profile_run`` of both runners to hold, during vLLM's profiling
    forward, the memory the worker's attention workspaces take later
    (:func:`vtoken.integrations.vllm.workspace.profile_reserve_bytes`), so the
@@ -88,47 +89,59 @@ def _install_config_check() -> None:
     EngineArgs.create_engine_config = create_engine_config
 
 
+def _vtoken_builders(runner) -> list:
+    """The V1 runner's vtoken attention metadata builders (one per attention group and micro-batch)."""
+    from vtoken.integrations.vllm.attention import VTokenAttentionMetadataBuilder
+
+    return [b for groups in runner.attn_groups for group in groups for b in group.metadata_builders
+            if isinstance(b, VTokenAttentionMetadataBuilder)]
+
+
 def _install_runner_hook() -> None:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vtoken.integrations.vllm.attention import publish_batch, published_batch
+    _install_batch_order_hook(GPUModelRunner)
+    _install_profile_hook(GPUModelRunner)
+    _install_profile_hook(GPUModelRunnerV2)
 
-    build = GPUModelRunner._build_attention_metadata
+
+def _install_batch_order_hook(runner_cls) -> None:
+    """Hand the V1 runner's row order to its vtoken builders around each metadata build (module docstring, 3.)."""
+    build = runner_cls._build_attention_metadata
     if getattr(build, "_vtoken_hook", False):
         return
 
     @functools.wraps(build)
     def _build_attention_metadata(self, *args, **kwargs):
         num_reqs = kwargs["num_reqs"] if "num_reqs" in kwargs else args[1]
-        outer = published_batch()
-        if not getattr(self, "_vtoken_in_dummy_run", False):
-            publish_batch(list(self.input_batch.req_ids[:num_reqs]))
+        # A profiling / capture batch (_dummy_run) has no vtoken requests: the builder reads no KV.
+        order = None if getattr(self, "_vtoken_in_dummy_run", False) else list(self.input_batch.req_ids[:num_reqs])
+        builders = _vtoken_builders(self)
+        outer = [b.batch_req_ids for b in builders]
+        for b in builders:
+            b.batch_req_ids = order
         try:
             return build(self, *args, **kwargs)
         finally:
-            publish_batch(outer)
+            for b, o in zip(builders, outer):
+                b.batch_req_ids = o
 
     _build_attention_metadata._vtoken_hook = True
-    GPUModelRunner._build_attention_metadata = _build_attention_metadata
+    runner_cls._build_attention_metadata = _build_attention_metadata
 
-    dummy = GPUModelRunner._dummy_run
+    dummy = runner_cls._dummy_run
 
     @functools.wraps(dummy)
     def _dummy_run(self, *args, **kwargs):
-        # A profiling / capture batch has no vtoken requests: the builder reads no KV.
         prev = getattr(self, "_vtoken_in_dummy_run", False)
         self._vtoken_in_dummy_run = True
-        publish_batch(None)
         try:
             return dummy(self, *args, **kwargs)
         finally:
             self._vtoken_in_dummy_run = prev
 
-    GPUModelRunner._dummy_run = _dummy_run
-    _install_profile_hook(GPUModelRunner)
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
-
-    _install_profile_hook(GPUModelRunnerV2)
+    runner_cls._dummy_run = _dummy_run
 
 
 def _install_profile_hook(runner_cls) -> None:
@@ -147,11 +160,12 @@ def _install_profile_hook(runner_cls) -> None:
         # cannot be allocated before the profile instead: their size follows the KV capacity the
         # profile decides, and the connector's worker side only exists after it.
         n = workspace.profile_reserve_bytes(self)
-        workspace.PROFILE_RESERVE = torch.empty(n, dtype=torch.uint8, device=self.device) if n else None
+        # Held by the runner it is profiled for, for the profile only.
+        self.vtoken_profile_reserve = torch.empty(n, dtype=torch.uint8, device=self.device) if n else None
         try:
             return profile(self, *args, **kwargs)
         finally:
-            workspace.PROFILE_RESERVE = None
+            self.vtoken_profile_reserve = None
 
     profile_run._vtoken_hook = True
     runner_cls.profile_run = profile_run

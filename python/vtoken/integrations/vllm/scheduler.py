@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 import numpy as np
 
 from vtoken import cdiv
@@ -61,7 +61,6 @@ NEVER_HASH_MORE = 1 << 62
 class _Req:
     """Scheduler-side state of one request."""
 
-    synced: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # vLLM list as vtoken last wrote it
     admitted_step: int = 0  # decisions of earlier steps were about an earlier registration
     prompt_tokens: int = 0  # tokens vLLM knew at admission: the prompt (plus outputs, when resumed)
     hashing_frozen: bool = False  # its prompt is computed: vLLM hashes none of its blocks from now on
@@ -199,9 +198,6 @@ class SchedulerSide:
             slots = self.table.sync_new_tokens_batch(reqs, counts)
         if slots is None:
             raise InvariantViolation("mirror: the table could not take the blocks vLLM allocated")
-        for rid, n, nb in batch:
-            st = self._reqs[rid]
-            st.synced = np.concatenate([st.synced, nb.astype(np.int32)])
 
     def _admit(self, rid, num_computed: int) -> None:
         """Register a request (new or resumed); ``num_computed`` tokens are prefix-cache hits."""
@@ -226,15 +222,12 @@ class SchedulerSide:
             self.table.add_request(rid, prefix_blocks=hits[:j])
         if rid not in self._admitting:
             raise InvariantViolation(f"mirror: request {rid!r} was scheduled without an allocation for it this step")
-        st = _Req(admitted_step=self.step, prompt_tokens=self._admitting.pop(rid))
-        st.synced = hits[:j].astype(np.int32)
-        self._reqs[rid] = st
+        self._reqs[rid] = _Req(admitted_step=self.step, prompt_tokens=self._admitting.pop(rid))
         if rest.size:
             # Freed-but-cached blocks vLLM touched back: now owned by this request.
             with self.alloc.mirroring(rest.tolist()):
                 if self.table.sync_new_tokens(rid, num_computed - j * S) is None:
                     raise InvariantViolation(f"mirror: could not register the cached blocks of {rid!r}")
-            st.synced = np.concatenate([st.synced, rest.astype(np.int32)])
 
     def _reclaim(self) -> tuple[np.ndarray, np.ndarray]:
         """Plan and launch this step's relocations; return the slots the workers copy (src, dst)."""
@@ -284,11 +277,8 @@ class SchedulerSide:
         self._sync_reserve()
 
     def _sync(self, rid) -> None:
-        """Copy the table's block-list changes of ``rid`` into vLLM's list."""
-        st = self._reqs[rid]
-        new = self.table.block_list(rid)
-        apply_block_list(self.stm, self.pool, rid, new, st.synced)
-        st.synced = new.astype(np.int32)
+        """Copy the table's block-list changes of ``rid`` into vLLM's list (the diff of the two lists)."""
+        apply_block_list(self.stm, self.pool, rid, self.table.block_list(rid))
 
     def _sample_usage(self) -> None:
         in_use = int(self.pool.num_gpu_blocks) - 1 - int(self.pool.get_num_free_blocks())

@@ -1,8 +1,10 @@
 """The worker side of the vtoken connector: token-table mirror, slot lists, relocation copies, decisions.
 
 One :class:`WorkerSide` per worker process (one per tensor-parallel rank),
-created by the connector's ``WORKER`` role and published with
-:func:`set_current` so the attention backend of the same process finds it.
+created by the connector's ``WORKER`` role and bound, at ``register_kv_caches``,
+to the attention layers whose KV caches it registered
+(:func:`vtoken.integrations.vllm.attention.bind_worker`): their metadata
+builder hands it to the forward in each step's attention metadata.
 
 Per step:
 
@@ -41,7 +43,6 @@ Per step:
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Callable, Optional
 
 import numpy as np
@@ -59,21 +60,6 @@ from vtoken.layout import KVLayout
 logger = logging.getLogger(__name__)
 
 KV_LAYOUT_NAME = "vllm_fused"  # vLLM 0.32's per-layer view [num_blocks, H, block_size, 2*D] (docs/vllm.md)
-
-_CURRENT: Optional["WorkerSide"] = None
-_LOCK = threading.Lock()
-
-
-def set_current(worker: Optional["WorkerSide"]) -> None:
-    global _CURRENT
-    with _LOCK:
-        _CURRENT = worker
-
-
-def current() -> Optional["WorkerSide"]:
-    """The :class:`WorkerSide` of this process, or None before the connector exists (profiling)."""
-    return _CURRENT
-
 
 class WorkerSide:
     """See the module docstring.

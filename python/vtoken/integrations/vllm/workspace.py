@@ -11,8 +11,9 @@ vLLM sizes the KV cache from the peak memory of one profiling forward that
 runs before the KV cache (and the connector's worker side) exists, with no
 attention metadata. :func:`profile_reserve_bytes` is what the plugin holds
 during that run (a bound of the workspaces, from an upper bound of the KV
-capacity), so the KV cache is sized without the memory the workspaces take
-later. See docs/vllm.md, "Memory".
+capacity), on the profiled runner (``vtoken_profile_reserve``), so the KV
+cache is sized without the memory the workspaces take later. See
+docs/vllm.md, "Memory".
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from vtoken.errors import InvalidArgumentError
 # int32 kv_indices + int32 kv_pos (the slot lists) + float32 score (the worker's per-entry buffer)
 BYTES_PER_ENTRY = 12
 F32 = 4
-PROFILE_RESERVE = None  # the bytes the plugin holds during vLLM's profiling forward (a uint8 tensor), else None
 
 
 def listed_capacity(num_slots: int, max_reqs: int, max_model_len: int) -> int:
