@@ -4,7 +4,7 @@ Installs two packages: ``vtoken`` (from ``python/vtoken``) and ``vtoken_kernels`
 (Triton kernels). The CUDA extension ``vtoken._C`` is built from ``csrc/`` when a
 CUDA toolchain and torch are usable, or when ``VTOKEN_BUILD_CUDA=1``; it is skipped
 when ``VTOKEN_BUILD_CUDA=0``. When it is skipped, one line says why, and vtoken
-falls back to Triton / torch reference kernels (see ``vtoken.ops``).
+falls back to Triton / torch reference kernels (see ``vtoken.device.ops``).
 
 Install without build isolation so the extension builds against the torch you
 already have (an isolated build would pull a different torch):
@@ -74,7 +74,7 @@ setup(
     # Supported: torch >= 2.11, Triton >= 3.6 (vtoken.versions checks both at run time).
     # NOTE: Triton is not required: Linux CUDA torch wheels already depend on the
     # Triton they were built with, and on a CPU install it only serves the
-    # interpreter (the tests); without it vtoken.ops uses the extension or the
+    # interpreter (the tests); without it vtoken.device.ops uses the extension or the
     # torch reference. The "triton" extra adds it.
     install_requires=["numpy>=1.24", "torch>=2.11"],
     extras_require={

@@ -52,7 +52,8 @@ from common import (
 prepare_kernel_env()  # before vtoken / triton imports
 import torch  # noqa: E402
 
-from vtoken import PAD_SLOT, ops  # noqa: E402
+from vtoken import PAD_SLOT  # noqa: E402
+from vtoken.device import ops  # noqa: E402
 from vtoken.reference import build_slot_lists as ref  # noqa: E402
 import vtoken_kernels.build_slot_lists as tk  # noqa: E402
 

@@ -47,7 +47,7 @@ from common import (
 prepare_kernel_env()  # before vtoken / triton imports
 import torch  # noqa: E402
 
-from vtoken import ops  # noqa: E402
+from vtoken.device import ops  # noqa: E402
 from vtoken.layout import KVLayout, kv_cache_shape  # noqa: E402
 from vtoken.reference import compact_kv as ref  # noqa: E402
 from vtoken_kernels import contracts  # noqa: E402

@@ -1,4 +1,4 @@
-"""Eviction decision loop: the device loop (vtoken.decision_loop) against the host numpy path, per step.
+"""Eviction decision loop: the device loop (vtoken.decisions.loop) against the host numpy path, per step.
 
 Workload: ``--reqs`` requests (256) x {4K, 16K, 64K} live tokens, block size
 16, policies h2o and streamingllm, each request exactly at its budget so that
@@ -67,12 +67,12 @@ if not on_gpu():
 
 from bench_token_attention import kv_bytes_read  # noqa: E402
 from vtoken import policies as P  # noqa: E402
-from vtoken.buffers import DeviceMirror, SlotListBuffers  # noqa: E402
-from vtoken.decision_loop import DecisionLoop  # noqa: E402
-from vtoken.ledger import BlockLedger  # noqa: E402
+from vtoken.device.buffers import DeviceMirror, SlotListBuffers  # noqa: E402
+from vtoken.decisions.loop import DecisionLoop  # noqa: E402
+from vtoken.bookkeeping.ledger import BlockLedger  # noqa: E402
 from vtoken.policies import accumulate_batch  # noqa: E402
-from vtoken.pool import BlockPool  # noqa: E402
-from vtoken.table import TokenTable  # noqa: E402
+from vtoken.bookkeeping.pool import BlockPool  # noqa: E402
+from vtoken.bookkeeping.table import TokenTable  # noqa: E402
 
 S = 16
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # an 8B-class model, for the KV byte count

@@ -81,7 +81,7 @@ from vtoken.experiments.common import (  # noqa: E402
     EAGER_RECLAIM, ModelSpec, fit_num_blocks, full_blocks, make_prompts, policy_config,
 )
 from vtoken.experiments.demo import DemoConfig, format_demo, run_demo  # noqa: E402
-from vtoken.reclaim import ReclaimConfig, ReclamationManager  # noqa: E402
+from vtoken.reclamation.manager import ReclaimConfig, ReclamationManager  # noqa: E402
 
 # (a)'s model: fp32 so graph vs eager is compared at full precision; init_std 0.05 keeps greedy
 # outputs diverse at hidden 1024 (0.02 repeated one token in a CPU check, 0.05 gave 24 distinct of 24).

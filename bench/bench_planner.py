@@ -38,15 +38,15 @@ import numpy as np
 
 from common import host_time, print_table, write_json
 
-from vtoken.ledger import BlockLedger
-from vtoken.planner import make_plan, select_sources
-from vtoken.pool import BlockPool
-from vtoken.reclaim import ReclaimConfig, ReclamationManager
-from vtoken.table import TokenTable
+from vtoken.bookkeeping.ledger import BlockLedger
+from vtoken.reclamation.planner import make_plan, select_sources
+from vtoken.bookkeeping.pool import BlockPool
+from vtoken.reclamation.manager import ReclaimConfig, ReclamationManager
+from vtoken.bookkeeping.table import TokenTable
 
 
 def python_planner(slots, alive, cand_blocks, cand_live, S, max_src, dst_blocks_pool):
-    """The baseline: per-block and per-token Python loops, same rules as vtoken.planner."""
+    """The baseline: per-block and per-token Python loops, same rules as vtoken.reclamation.planner."""
     cands = sorted(range(len(cand_blocks)), key=lambda i: cand_live[i])  # stable: list order on ties
     cands = [i for i in cands if 0 < cand_live[i] < S][:max_src]
     best_k, best_gain, tot = 0, 0, 0

@@ -34,10 +34,10 @@ import torch
 from common import print_table, write_json
 
 from vtoken.layout import KVLayout, kv_cache_shape
-from vtoken.ledger import BlockLedger
-from vtoken.pool import BlockPool
-from vtoken.reclaim import ReclaimConfig, ReclamationManager
-from vtoken.table import TokenTable
+from vtoken.bookkeeping.ledger import BlockLedger
+from vtoken.bookkeeping.pool import BlockPool
+from vtoken.reclamation.manager import ReclaimConfig, ReclamationManager
+from vtoken.bookkeeping.table import TokenTable
 
 
 def sizes(quick: bool) -> dict:
@@ -149,7 +149,7 @@ def bench_stall(sz, device, force_sync: bool) -> dict:
     m = int(statistics.median(moves)) if moves else 0
     copy_ms = 0.0
     if m:
-        from vtoken import ops
+        from vtoken.device import ops
 
         free = np.flatnonzero(table.ledger.state == 0)[1:]
         src = torch.arange(m, dtype=torch.int32, device=device) + sz["S"]  # any distinct slots

@@ -27,9 +27,9 @@ import numpy as np
 
 from common import print_table, write_json
 
-from vtoken.ledger import BlockLedger
-from vtoken.pool import BlockPool
-from vtoken.table import TokenTable
+from vtoken.bookkeeping.ledger import BlockLedger
+from vtoken.bookkeeping.pool import BlockPool
+from vtoken.bookkeeping.table import TokenTable
 
 
 class DictTable:

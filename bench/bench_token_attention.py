@@ -58,7 +58,7 @@ import torch  # noqa: E402
 from vtoken.layout import KVLayout, kv_cache_shape  # noqa: E402
 from vtoken.reference import token_attention as ref_mod  # noqa: E402
 from vtoken.reference.token_attention import token_attention as ref_attention  # noqa: E402
-from vtoken import ops  # noqa: E402
+from vtoken.device import ops  # noqa: E402
 from vtoken_kernels import contracts  # noqa: E402
 from vtoken_kernels.token_attention import _auto_splits, _config  # noqa: E402
 from vtoken_kernels.token_attention import token_attention as tri_attention  # noqa: E402

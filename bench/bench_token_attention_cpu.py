@@ -4,9 +4,9 @@ One decode step of one layer on the same batch, timed in one process:
 
 * ``ref``: the torch reference (:mod:`vtoken.reference.token_attention`, a per-request loop);
 * ``cpp``: ``torch.ops.vtoken.token_attention`` called directly (the kernel alone);
-* ``ops``: :func:`vtoken.ops.token_attention` (contract checks, CPU content checks included,
+* ``ops``: :func:`vtoken.device.ops.token_attention` (contract checks, CPU content checks included,
   then the kernel): what the vLLM backend pays per layer;
-* ``plan``: :func:`vtoken.ops.plan_token_attention` once, ``run`` timed (per-layer cost of a
+* ``plan``: :func:`vtoken.device.ops.plan_token_attention` once, ``run`` timed (per-layer cost of a
   planned step);
 * ``cpp_scores``: the kernel with ``return_key_scores`` (what an H2O / TOVA step pays);
 * ``vllm``: vLLM's CPU_ATTN kernel (``torch.ops._C.cpu_attention_with_kv_cache`` with the
@@ -40,7 +40,7 @@ from common import prepare_kernel_env, print_table, write_json
 
 prepare_kernel_env()
 
-from vtoken import ops  # noqa: E402
+from vtoken.device import ops  # noqa: E402
 from vtoken.layout import KVLayout, kv_cache_shape  # noqa: E402
 from vtoken.reference.token_attention import token_attention as ref_attention  # noqa: E402
 from vtoken_kernels.contracts import layout_op_args  # noqa: E402

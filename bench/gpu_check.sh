@@ -166,7 +166,7 @@ else
     VTOKEN_NVCC_GENCODE="-gencode arch=compute_$ARCH,code=sm_$ARCH" "$PY" setup.py -q build_ext --inplace
 fi
 timeout 60 "$PY" -c "
-import importlib, vtoken.ops as o
+import importlib, vtoken.device.ops as o
 print('vtoken._C:', importlib.import_module('vtoken._C').__file__ if o.extension_loaded() else 'NOT LOADED (Triton / torch fallbacks)')"
 
 # 2. The whole suite as the README's command runs it on a GPU machine (CUDA visible, Triton compiled, the

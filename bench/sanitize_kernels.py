@@ -28,7 +28,7 @@ import bench_block_live_counts as blc  # noqa: E402
 import bench_build_slot_lists as bsl  # noqa: E402
 import bench_compact_kv as ckv  # noqa: E402
 import bench_token_attention as ta  # noqa: E402
-from vtoken import ops  # noqa: E402
+from vtoken.device import ops  # noqa: E402
 from vtoken.reference import compact_kv as ref_compact  # noqa: E402
 from vtoken_kernels import contracts  # noqa: E402
 from vtoken_kernels.compact_kv import compact_kv as triton_compact_kv  # noqa: E402

@@ -24,7 +24,7 @@ Environment knobs:
                           location, then ``/usr/local/cuda``)
 ``VTOKEN_NVCC_GENCODE``   replaces the default ``-gencode`` flags, e.g.
                           ``"-gencode arch=compute_90,code=sm_90"``. On a GPU
-                          without code in the build, vtoken.ops falls back to
+                          without code in the build, vtoken.device.ops falls back to
                           Triton (vtoken::kernel_image_status tells).
 ``MAX_JOBS``              parallel compile jobs (nvcc and ninja)
 """

@@ -6,7 +6,7 @@
 // access (16/8/4/2/1 bytes) that the row length, the strides and every layer's
 // base address allow: 16-byte vectors for every realistic layout.
 //
-// Contract (checked by vtoken.ops.compact_kv behind VTOKEN_DEBUG_INVARIANTS=1 /
+// Contract (checked by vtoken.device.ops.compact_kv behind VTOKEN_DEBUG_INVARIANTS=1 /
 // validate=True, not here): the destinations are unique and disjoint from the
 // sources, so blocks never race. PAD (-1) or out-of-range slots skip the move,
 // so the kernel never touches memory outside the caches and a fixed-size,

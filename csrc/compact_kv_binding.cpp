@@ -1,5 +1,5 @@
 // torch binding of compact_kv: schema, C++ CPU kernel, CUDA launcher call and
-// Meta (fake) kernel. See vtoken.ops.compact_kv for the public API and
+// Meta (fake) kernel. See vtoken.device.ops.compact_kv for the public API and
 // csrc/compact_kv.cu for the CUDA kernel.
 //
 // Schema:

@@ -7,7 +7,7 @@
 // than the build's SASS when the build left out PTX, VTOKEN_NVCC_GENCODE) or
 // the CUDA runtime's error when the query itself failed (e.g. a CUDA 13
 // runtime under an older driver: cudaErrorInsufficientDriver). It does not
-// throw for either: vtoken.ops asks once per device (only when
+// throw for either: vtoken.device.ops asks once per device (only when
 // torch.cuda.is_available()), warns with the cause and falls back to Triton.
 #include <torch/library.h>
 

@@ -10,7 +10,7 @@
 static struct PyModuleDef vtoken_c_module = {
     PyModuleDef_HEAD_INIT,
     "_C",
-    "vtoken's compiled ops; use them through vtoken.ops or torch.ops.vtoken.",
+    "vtoken's compiled ops; use them through vtoken.device.ops or torch.ops.vtoken.",
     -1,
     nullptr,
 };

@@ -1,6 +1,6 @@
 // torch op binding of token_attention: schema, the C++ CPU kernel and a Meta
 // impl. There is no CUDA implementation (GPUs run the Triton kernel,
-// vtoken_kernels/token_attention.py); vtoken.ops picks this op for CPU tensors.
+// vtoken_kernels/token_attention.py); vtoken.device.ops picks this op for CPU tensors.
 //
 // Semantics, NaN propagation included: python/vtoken/reference/token_attention.py.
 // The Python front end checks the contract (vtoken_kernels/contracts.py); this

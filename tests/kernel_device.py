@@ -3,7 +3,7 @@
 tests/conftest.py turns on Triton's interpreter (``TRITON_INTERPRET=1``) only
 without CUDA. On a GPU machine Triton compiles and takes CUDA tensors only, so
 every test that hands tensors to a Triton kernel (a ``vtoken_kernels`` wrapper
-directly, or ``vtoken.ops`` with ``VTOKEN_BACKEND=triton``) allocates them on
+directly, or ``vtoken.device.ops`` with ``VTOKEN_BACKEND=triton``) allocates them on
 ``KERNEL_DEVICE``. The torch reference and vtoken._C's C++ CPU kernels keep
 their CPU tensors (``device_for``). tests/test_kernel_device.py checks the test
 sources for a hard-coded CPU device on that path.
@@ -31,8 +31,8 @@ def extension_runs_on_gpu() -> bool:
     """vtoken._C's CUDA kernels can run on this machine's GPU (``False`` without one).
 
     The gpu tests that call its CUDA kernels directly leave them out otherwise
-    (e.g. a CUDA 13 build under an older driver); vtoken.ops warns with the cause.
+    (e.g. a CUDA 13 build under an older driver); vtoken.device.ops warns with the cause.
     """
-    from vtoken import ops
+    from vtoken.device import ops
 
     return torch.cuda.is_available() and ops.extension_loaded() and ops.extension_runs_on(torch.device("cuda"))

@@ -5,10 +5,10 @@ import numpy as np
 import torch
 
 from vtoken.layout import KVLayout, kv_cache_shape
-from vtoken.ledger import BlockLedger
-from vtoken.pool import BlockPool
-from vtoken.reclaim import ReclaimConfig, ReclamationManager
-from vtoken.table import TokenTable
+from vtoken.bookkeeping.ledger import BlockLedger
+from vtoken.bookkeeping.pool import BlockPool
+from vtoken.reclamation.manager import ReclaimConfig, ReclamationManager
+from vtoken.bookkeeping.table import TokenTable
 
 from table_helpers import assert_same  # noqa: F401  (re-exported for test_reclaim)
 
@@ -28,7 +28,7 @@ class Runtime:
         self.layout = KVLayout.from_tensor(self.caches[0], layout)
         self.mirror = None
         if mirror:
-            from vtoken.buffers import DeviceMirror
+            from vtoken.device.buffers import DeviceMirror
 
             self.mirror = DeviceMirror(self.table, "cpu", initial_tokens=1024, min_slack=mirror_min_slack)
         if config is None:

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtoken.ledger import BlockLedger
-from vtoken.pool import BlockPool
-from vtoken.table import TokenTable
+from vtoken.bookkeeping.ledger import BlockLedger
+from vtoken.bookkeeping.pool import BlockPool
+from vtoken.bookkeeping.table import TokenTable
 
 
 def assert_same(a, b, path: str = "snapshot") -> None:

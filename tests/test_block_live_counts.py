@@ -4,7 +4,7 @@ Counts are compared element for element; F is compared bit for bit with the
 oracle's ``float32(1 - live / (N * S))`` (Python floats are IEEE doubles, the
 expression every backend evaluates). Backends: the torch reference, Triton
 (interpreter on CPU), the C++ CPU op (when ``vtoken._C`` is built),
-``vtoken.ops``, and on GPU the CUDA op (both its global-atomic and its
+``vtoken.device.ops``, and on GPU the CUDA op (both its global-atomic and its
 shared-memory histogram) and Triton.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from vtoken import ops
+from vtoken.device import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.reference import block_live_counts as ref
 import vtoken_kernels.block_live_counts as tk
@@ -78,7 +78,7 @@ def oracle(slots, alive, num_blocks, block_size, allocated):
 
 
 def run_backend(backend, slots, alive, num_blocks, block_size, allocated):
-    """A backend itself, without the contract (vtoken.ops checks it once, before dispatching)."""
+    """A backend itself, without the contract (vtoken.device.ops checks it once, before dispatching)."""
     if backend == "torch":
         return ref.block_live_counts(slots, alive, num_blocks, block_size, allocated)
     if backend == "triton":

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from reclaim_helpers import Runtime
-from vtoken.buffers import DeviceMirror, SlotListBuffers
+from vtoken.device.buffers import DeviceMirror, SlotListBuffers
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from table_helpers import assert_same
 

@@ -11,7 +11,7 @@ and the kv_indptr tail included) is proven written.
 Backends: the torch reference, Triton (interpreter on CPU, plus a run with
 tiny tiles so that requests span many tiles, tiles hold many requests and
 spans many tiles), the C++ CPU op ``torch.ops.vtoken.build_slot_lists`` (when
-``vtoken._C`` is built), ``vtoken.ops``, and on GPU the CUDA op and Triton,
+``vtoken._C`` is built), ``vtoken.device.ops``, and on GPU the CUDA op and Triton,
 including CUDA-graph replay.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import random
 import pytest
 import torch
 
-from vtoken import ops
+from vtoken.device import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.reference import build_slot_lists as ref
 import vtoken_kernels.build_slot_lists as tk
@@ -313,7 +313,7 @@ def test_pad_slots_of_dead_and_new_tokens_are_copied_verbatim(backend):
     assert as_lists(bufs) == ([3, 40, 41, PAD], [0, 1, 3, 3], [PAD, 9, 40, 41, PAD], [1, 1, 2, PAD])
 
 
-# ----------------------------------------------------------------- vtoken.ops
+# ----------------------------------------------------------------- vtoken.device.ops
 
 
 def _ops_backends():

@@ -31,7 +31,7 @@ import pytest
 from vtoken.cli import main
 from vtoken.errors import InvalidArgumentError
 from vtoken.experiments.common import Progress, full_blocks
-from vtoken.reclaim_config import auto_headroom
+from vtoken.reclamation.config import auto_headroom
 
 # Tiny sizes: block size 4 and a 4-token window, so the policies evict within a few dozen tokens.
 TINY = ["--block-size", "4", "--window", "4", "--device", "cpu"]

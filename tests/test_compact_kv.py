@@ -29,7 +29,7 @@ import torch
 
 from aot_helpers import AOT_ARCHS, compile_kernel, compile_module_in_fresh_process, expected_compiles
 from kernel_device import device_for, extension_runs_on_gpu
-from vtoken import ops
+from vtoken.device import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.layout import KVLayout
 from vtoken.reference import compact_kv as ref
@@ -165,7 +165,7 @@ def oracle(before: np.ndarray, arena: Arena, caches, layout: KVLayout, src, dst)
 
 
 def run_backend(backend, caches, layout, src, dst, validate=None):
-    """The contract once (as vtoken.ops does), then the backend itself."""
+    """The contract once (as vtoken.device.ops does), then the backend itself."""
     contracts.check_compact_kv_args(caches, layout, src, dst, validate=validate)
     if backend == "torch":
         ref.compact_kv(caches, layout, src, dst)

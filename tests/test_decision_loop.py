@@ -1,4 +1,4 @@
-"""The device decision loop (vtoken.decision_loop) against the host numpy path, exactly, through real tables.
+"""The device decision loop (vtoken.decisions.loop) against the host numpy path, exactly, through real tables.
 
 Two token tables run the same workload side by side: table A is driven by
 :class:`DecisionLoop` (device state, device kills, victims applied one step
@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from vtoken import policies as P
-from vtoken.buffers import DeviceMirror, SlotListBuffers
-from vtoken.decision_loop import DecisionLoop
+from vtoken.device.buffers import DeviceMirror, SlotListBuffers
+from vtoken.decisions.loop import DecisionLoop
 from vtoken.errors import InvalidArgumentError
-from vtoken.ledger import BlockLedger
-from vtoken.pool import BlockPool
-from vtoken.step_graphs import StepGraphs, padded_batch_sizes
-from vtoken.table import TokenTable
+from vtoken.bookkeeping.ledger import BlockLedger
+from vtoken.bookkeeping.pool import BlockPool
+from vtoken.device.step_graphs import StepGraphs, padded_batch_sizes
+from vtoken.bookkeeping.table import TokenTable
 
 torch.set_num_threads(1)
 

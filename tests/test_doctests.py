@@ -32,7 +32,7 @@ def modules_with_examples() -> list[str]:
 
 
 def test_examples_are_found():
-    assert "vtoken.pool" in modules_with_examples()
+    assert "vtoken.bookkeeping.pool" in modules_with_examples()
 
 
 @pytest.mark.parametrize("name", modules_with_examples())

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import TINY, POLICY_CFG, EAGER_RECLAIM, prompts as _prompts
-from vtoken.buffers import DeltaShipper
+from vtoken.device.buffers import DeltaShipper
 from vtoken.engine.model import LlamaModel, ModelConfig
 from vtoken.engine.scheduler import Engine, EngineConfig
 from vtoken.errors import InvalidArgumentError

@@ -21,7 +21,7 @@ from kernel_device import cpu_engine_triton
 from vtoken.engine.model import LlamaModel, ModelConfig, ModelOutput
 from vtoken.engine.runner import ModelRunner, RunnerConfig, _Graph
 from vtoken.errors import InvalidArgumentError, InvariantViolation, UnknownRequestError
-from vtoken.step_graphs import padded_batch_sizes
+from vtoken.device.step_graphs import padded_batch_sizes
 
 LOGIT_ATOL = 1e-4
 TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -18,7 +18,7 @@ import pytest
 
 from vtoken.cli import main
 from vtoken.errors import InvalidArgumentError
-from vtoken.reclaim_config import auto_headroom
+from vtoken.reclamation.config import auto_headroom
 from vtoken.experiments.frontier import (
     PRESETS,
     FrontierConfig,

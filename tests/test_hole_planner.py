@@ -1,4 +1,4 @@
-"""Hole-filling plans (vtoken.hole_planner): choice vs brute force, plan rules on random states, I1-I4 online."""
+"""Hole-filling plans (vtoken.reclamation.hole_planner): choice vs brute force, plan rules on random states, I1-I4 online."""
 from __future__ import annotations
 
 import itertools
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from reclaim_helpers import Runtime
-from vtoken import invariants
+from vtoken.bookkeeping import invariants
 from vtoken.errors import InvalidArgumentError, InvariantViolation
-from vtoken.hole_planner import select_fill
-from vtoken.ledger import FREE, OWNED, SRC_INFLIGHT
-from vtoken.planner import select_sources
+from vtoken.reclamation.hole_planner import select_fill
+from vtoken.bookkeeping.ledger import FREE, OWNED, SRC_INFLIGHT
+from vtoken.reclamation.planner import select_sources
 
 SEEDS = range(12)
 BLOCK_SIZES = [1, 2, 4, 8, 16]

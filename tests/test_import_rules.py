@@ -3,12 +3,12 @@
 * No cycle between vtoken's parts. The graph's nodes: each subpackage is one
   node (``vtoken.checkpoints``, ``vtoken.engine``, ``vtoken.experiments``,
   ``vtoken.integrations``, ``vtoken.policies``, ``vtoken.reference``), and each
-  top-level module is a node of its own (``vtoken.table``, ``vtoken.ops``, ...,
+  top-level module is a node of its own (``vtoken.bookkeeping.table``, ``vtoken.device.ops``, ...,
   ``vtoken`` for ``__init__.py``). An edge is any import from one node of
   another; imports inside a node are not edges.
 * The host bookkeeping modules (:data:`HOST_MODULES`) import no torch: not in
   their own file (lazy imports included), and not through the vtoken modules
-  they import when loaded. ``vtoken/invariants.py`` imports torch (its device
+  they import when loaded. ``vtoken/bookkeeping/invariants.py`` imports torch (its device
   checks) and is not one of them; ``TokenTable.snapshot`` and
   ``check_invariants`` import it lazily, only when called.
 """
@@ -23,14 +23,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE_DIR = os.path.join(ROOT, "python", "vtoken")
 # The host bookkeeping: numpy only, so it runs and is tested without torch. Paths relative to the repository.
 HOST_MODULES = [
-    "python/vtoken/table.py",
-    "python/vtoken/arena.py",
-    "python/vtoken/journal.py",
-    "python/vtoken/ledger.py",
-    "python/vtoken/pool.py",
-    "python/vtoken/request_rows.py",
-    "python/vtoken/shared_blocks.py",
-    "python/vtoken/relocation.py",
+    "python/vtoken/bookkeeping/table.py",
+    "python/vtoken/bookkeeping/arena.py",
+    "python/vtoken/bookkeeping/journal.py",
+    "python/vtoken/bookkeeping/ledger.py",
+    "python/vtoken/bookkeeping/pool.py",
+    "python/vtoken/bookkeeping/request_rows.py",
+    "python/vtoken/bookkeeping/shared_blocks.py",
+    "python/vtoken/bookkeeping/relocation.py",
 ]
 
 
@@ -124,8 +124,8 @@ def test_the_scan_sees_lazy_and_relative_imports_and_modules_named_in_from():
     found = imported_names(ast.parse(src), "vtoken.checkpoints.fetch")
     assert sorted(found) == [(1, "vtoken"), (1, "vtoken.checkpoints"), (3, "vtoken.engine.model"),
                              (4, "vtoken.checkpoints"), (4, "vtoken.checkpoints.loader")]
-    assert [node_of(m) for m in ("vtoken", "vtoken.table", "vtoken.engine.model", "torch")] == [
-        "vtoken", "vtoken.table", "vtoken.engine", None]
+    assert [node_of(m) for m in ("vtoken", "vtoken.bookkeeping.table", "vtoken.engine.model", "torch")] == [
+        "vtoken", "vtoken.bookkeeping.table", "vtoken.engine", None]
 
 
 def test_find_cycle_finds_one_and_only_one():
@@ -136,7 +136,7 @@ def test_find_cycle_finds_one_and_only_one():
 def test_the_graph_has_the_expected_parts():
     graph = package_graph()
     for node in ("vtoken.checkpoints", "vtoken.engine", "vtoken.experiments", "vtoken.integrations",
-                 "vtoken.policies", "vtoken.reference", "vtoken.table", "vtoken.cli", "vtoken"):
+                 "vtoken.policies", "vtoken.reference", "vtoken.bookkeeping.table", "vtoken.cli", "vtoken"):
         assert node in graph, node
     assert "vtoken.checkpoints" in graph["vtoken.engine"]  # the engine builds models from checkpoints
     assert "vtoken.engine" in graph["vtoken.experiments"]
@@ -151,7 +151,7 @@ def test_no_import_cycle_between_vtokens_parts():
 
 # ------------------------------------------------------------ the host bookkeeping imports no torch
 def module_name(path: str) -> str:
-    """``python/vtoken/table.py`` -> ``vtoken.table``."""
+    """``python/vtoken/bookkeeping/table.py`` -> ``vtoken.bookkeeping.table``."""
     return ".".join(os.path.relpath(os.path.join(ROOT, path), os.path.dirname(PACKAGE_DIR))[:-3].split(os.sep))
 
 
@@ -204,8 +204,8 @@ def test_host_modules_exist():
 
 
 def test_the_torch_scan_sees_an_import_through_another_module():
-    assert "torch" in loaded_with("vtoken.invariants")  # it imports torch itself
-    assert loaded_with("vtoken.ops").get("torch") is not None
+    assert "torch" in loaded_with("vtoken.bookkeeping.invariants")  # it imports torch itself
+    assert loaded_with("vtoken.device.ops").get("torch") is not None
 
 
 @pytest.mark.parametrize("path", HOST_MODULES)

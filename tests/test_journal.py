@@ -4,7 +4,7 @@ import pytest
 
 from table_helpers import make_table
 from vtoken.errors import InvalidArgumentError
-from vtoken.journal import DeltaJournal
+from vtoken.bookkeeping.journal import DeltaJournal
 
 
 def test_readers_see_events_from_their_subscription_on_and_the_log_is_trimmed():
@@ -87,7 +87,7 @@ def test_a_replay_of_the_events_equals_the_table():
 
 
 def test_the_journal_keeps_its_own_copies_of_what_the_caller_passed_or_got():
-    from vtoken.buffers import DeviceMirror
+    from vtoken.device.buffers import DeviceMirror
 
     t = make_table(64, 4)
     m = DeviceMirror(t, "cpu", initial_tokens=64, min_slack=4)

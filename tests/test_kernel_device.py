@@ -7,7 +7,7 @@ every test module (ast) and checks:
 
 * a test function that launches a Triton kernel (calls a public
   ``vtoken_kernels`` launcher or a helper of its module that does, or sets ``VTOKEN_BACKEND`` to ``triton`` or to a
-  parametrized backend and then calls an op of ``vtoken.ops`` other than
+  parametrized backend and then calls an op of ``vtoken.device.ops`` other than
   ``select_backend``, or no op at all: an engine run) picks
   its device through tests/kernel_device.py: it names ``KERNEL_DEVICE``,
   ``DEV`` or ``device_for``, or calls a helper of its module that does;
@@ -188,7 +188,7 @@ def test_x():
 ''',
     "forced triton through ops": '''
 import pytest, torch
-from vtoken import ops
+from vtoken.device import ops
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_x(backend, monkeypatch):
     monkeypatch.setenv("VTOKEN_BACKEND", backend)
@@ -229,7 +229,7 @@ def test_x():
 ''',
     "forced torch, or triton only to check dispatch": '''
 import torch
-from vtoken import ops
+from vtoken.device import ops
 def test_x(monkeypatch):
     monkeypatch.setenv("VTOKEN_BACKEND", "torch")
     ops.block_live_counts(torch.zeros(4, dtype=torch.int32), torch.ones(4), 1, 4)

@@ -40,7 +40,7 @@ def imports_vtoken(module: str) -> bool:
 
 def test_the_scan_sees_every_kind_of_import():
     src = (
-        "import os, vtoken.ops\n"
+        "import os, vtoken.device.ops\n"
         "from vtoken import ops\n"
         "from vtoken_kernels.errors import VTokenError\n"
         "def f():\n"
@@ -50,9 +50,9 @@ def test_the_scan_sees_every_kind_of_import():
         "from . import layout\n"
     )
     found = imported_modules(ast.parse(src))
-    assert sorted(found) == [(1, "os"), (1, "vtoken.ops"), (2, "vtoken"), (3, "vtoken_kernels.errors"),
+    assert sorted(found) == [(1, "os"), (1, "vtoken.device.ops"), (2, "vtoken"), (3, "vtoken_kernels.errors"),
                              (6, "vtoken.reference"), (7, "vtoken"), (8, ".")]
-    assert sorted(m for _, m in found if imports_vtoken(m)) == ["vtoken", "vtoken", "vtoken.ops", "vtoken.reference"]
+    assert sorted(m for _, m in found if imports_vtoken(m)) == ["vtoken", "vtoken", "vtoken.device.ops", "vtoken.reference"]
     assert not imports_vtoken("vtoken_kernels.errors") and not imports_vtoken("vtokens")
 
 

@@ -106,7 +106,7 @@ def test_docstring_example_runs():
 
 def test_frontier_probe_is_the_same_with_a_tiny_ring(monkeypatch):
     """An experiment that sums over all steps reads the running totals: a 4-record ring changes nothing."""
-    import vtoken.reclaim
+    import vtoken.reclamation.manager
     from vtoken.experiments.frontier import FrontierConfig, VictimTrace, simulate_trace_only
 
     # memory declared always low: 6 requests would fit without reclaiming (no pressure, nothing moved)
@@ -114,7 +114,7 @@ def test_frontier_probe_is_the_same_with_a_tiny_ring(monkeypatch):
     trace = VictimTrace(cfg)
     probes = {}
     for capacity in (None, 4):
-        monkeypatch.setattr(vtoken.reclaim, "MetricsLog", functools.partial(MetricsLog, capacity=capacity))
+        monkeypatch.setattr(vtoken.reclamation.manager, "MetricsLog", functools.partial(MetricsLog, capacity=capacity))
         p = simulate_trace_only(cfg, "vtoken", 6, trace)
         probes[capacity] = {k: v for k, v in p.to_dict().items() if k != "seconds"}
     assert probes[None]["steps"] > 4 and probes[None]["relocated_tokens"] > 0 and probes[None]["plans"] > 4
@@ -123,7 +123,7 @@ def test_frontier_probe_is_the_same_with_a_tiny_ring(monkeypatch):
 
 def test_paired_run_summary_is_the_same_with_a_tiny_ring(monkeypatch):
     """The engine experiments' per-mode numbers (F averaged over all steps, relocations) survive a 4-record ring."""
-    import vtoken.reclaim
+    import vtoken.reclamation.manager
     from vtoken.experiments.common import ModelSpec, make_prompts, paired_run, policy_config
 
     monkeypatch.setenv("VTOKEN_BACKEND", "torch")  # the Triton interpreter is far too slow for engine runs
@@ -132,7 +132,7 @@ def test_paired_run_summary_is_the_same_with_a_tiny_ring(monkeypatch):
     engine_cfg = dict(num_blocks=32, block_size=4, max_num_reqs=2, max_num_tokens=64, reclaim=dict(low_watermark=1.0))
     runs = {}
     for capacity in (None, 4):
-        monkeypatch.setattr(vtoken.reclaim, "MetricsLog", functools.partial(MetricsLog, capacity=capacity))
+        monkeypatch.setattr(vtoken.reclamation.manager, "MetricsLog", functools.partial(MetricsLog, capacity=capacity))
         out = paired_run(model, prompts, 16, modes=("naive", "vtoken"), policy="h2o",
                          policy_cfg=policy_config("h2o", 0.5, 4, sink=0), engine_cfg=engine_cfg)
         runs[capacity] = {m: {k: v for k, v in r.to_dict().items() if k not in ("seconds", "tokens_per_s")}

@@ -1,4 +1,4 @@
-"""vtoken.ops dispatch on a GPU that vtoken._C has no code for.
+"""vtoken.device.ops dispatch on a GPU that vtoken._C has no code for.
 
 The CUDA runtime's answer (``vtoken::kernel_image_status``) is faked where
 no GPU is needed; ``test_gpu_*`` asks the real one. The fake returns what the
@@ -11,7 +11,8 @@ import warnings
 import pytest
 import torch
 
-from vtoken import ops, versions
+from vtoken.device import ops
+from vtoken import versions
 from vtoken.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedVersionError
 
 HAS_EXT = ops.extension_loaded() and hasattr(torch.ops.vtoken, "kernel_image_status")

@@ -8,7 +8,7 @@ import pytest
 
 from table_helpers import assert_same
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
-from vtoken.pool import NULL_BLOCK, BlockAllocator, BlockPool
+from vtoken.bookkeeping.pool import NULL_BLOCK, BlockAllocator, BlockPool
 
 SIZES = [2, 3, 17, 64]
 SEEDS = [0, 1, 2]

@@ -2,7 +2,7 @@
 copy-engine protocol, invariants, prefix sharing and metrics.
 
 CPU by default with real KV tensors (the compiled C++ ``compact_kv`` or its
-fallbacks through ``vtoken.ops``) and ``token_attention`` through ``vtoken.ops``
+fallbacks through ``vtoken.device.ops``) and ``token_attention`` through ``vtoken.device.ops``
 (Triton interpreter on CPU). Every invariant (I1, I2, I4, conservation) runs
 after every step: ``VTOKEN_DEBUG_INVARIANTS=1`` is set by conftest.
 GPU tests are marked and skipped without CUDA.
@@ -20,16 +20,17 @@ import pytest
 import torch
 
 from reclaim_helpers import Runtime, assert_same
-from vtoken import invariants, ops
-from vtoken.copy_engine import CopyEngine
+from vtoken.bookkeeping import invariants
+from vtoken.device import ops
+from vtoken.device.copy_engine import CopyEngine
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, UnknownRequestError
-from vtoken.ledger import DST_INFLIGHT, SHARED, SRC_INFLIGHT, BlockLedger
+from vtoken.bookkeeping.ledger import DST_INFLIGHT, SHARED, SRC_INFLIGHT, BlockLedger
 from vtoken.metrics import FIELDS
-from vtoken.pool import BlockPool
-from vtoken.planner import collect_moves, select_sources
-from vtoken.reclaim import MAX_MOVES_PER_STEP, ReclaimConfig, ReclamationManager
-from vtoken.reclaim_config import auto_headroom
-from vtoken.table import TokenTable
+from vtoken.bookkeeping.pool import BlockPool
+from vtoken.reclamation.planner import collect_moves, select_sources
+from vtoken.reclamation.manager import MAX_MOVES_PER_STEP, ReclaimConfig, ReclamationManager
+from vtoken.reclamation.config import auto_headroom
+from vtoken.bookkeeping.table import TokenTable
 
 SEEDS = (0, 1, 2)
 BLOCK_SIZES = (1, 3, 4, 16)
@@ -147,7 +148,7 @@ def test_config_resolve_and_headroom_limit():
 
 # ------------------------------------------------------- end to end (data)
 def _attention_all_layers(rt, reqs, q):
-    """token_attention over every request's live slots, per layer (through vtoken.ops)."""
+    """token_attention over every request's live slots, per layer (through vtoken.device.ops)."""
     lists = [rt.table.live_slots(r) for r in reqs]
     idx = torch.from_numpy(np.concatenate(lists).astype(np.int32))
     ptr = torch.from_numpy(np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int32))
@@ -710,7 +711,7 @@ def test_metrics_json_and_csv(tmp_path):
 @pytest.mark.gpu
 def test_gpu_zero_host_syncs_and_matches_cpu(monkeypatch):
     """The whole per-step runtime path runs under sync-debug 'error' and moves the same bytes as CPU."""
-    from vtoken.buffers import DeviceMirror, SlotListBuffers
+    from vtoken.device.buffers import DeviceMirror, SlotListBuffers
 
     monkeypatch.setenv("VTOKEN_DEBUG_INVARIANTS", "0")
     dev = torch.device("cuda")
@@ -788,7 +789,7 @@ def test_a_plan_that_needs_more_than_the_leftover_budget_waits_its_turn(monkeypa
     A plan needs 3 destinations (4 sources of 3 live tokens); the headroom is 4, so
     each step fits one plan and leaves 1 block, too little for the next request.
     """
-    import vtoken.reclaim_trigger as trigger_mod
+    import vtoken.reclamation.trigger as trigger_mod
 
     calls = []
     real = trigger_mod.select_sources

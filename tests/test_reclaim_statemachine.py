@@ -34,15 +34,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from vtoken.buffers import DeviceMirror
-from vtoken.copy_engine import CopyEngine
+from vtoken.device.buffers import DeviceMirror
+from vtoken.device.copy_engine import CopyEngine
 from vtoken.errors import InvalidArgumentError
-from vtoken.invariants import gather_token_rows
+from vtoken.bookkeeping.invariants import gather_token_rows
 from vtoken.layout import KVLayout, kv_cache_shape
-from vtoken.ledger import BlockLedger
-from vtoken.pool import BlockPool
-from vtoken.reclaim import ReclaimConfig, ReclamationManager
-from vtoken.table import TokenTable
+from vtoken.bookkeeping.ledger import BlockLedger
+from vtoken.bookkeeping.pool import BlockPool
+from vtoken.reclamation.manager import ReclaimConfig, ReclamationManager
+from vtoken.bookkeeping.table import TokenTable
 
 EXAMPLES = int(os.environ.get("VTOKEN_HYPOTHESIS_EXAMPLES", "200"))
 LAYERS = 2

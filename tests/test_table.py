@@ -9,10 +9,10 @@ import pytest
 
 from table_helpers import assert_same, make_table
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, UnknownRequestError
-from vtoken.ledger import (
+from vtoken.bookkeeping.ledger import (
     DST_INFLIGHT, FREE, NO_OWNER, OWNED, SHARED, SHARED_OWNER, BlockLedger,
 )
-from vtoken.pool import NULL_BLOCK, BlockPool
+from vtoken.bookkeeping.pool import NULL_BLOCK, BlockPool
 
 BLOCK_SIZES = [1, 3, 16]
 SPLITS = [(1,), (5, 11), (16, 1, 15, 33), (0, 7, 0, 64)]

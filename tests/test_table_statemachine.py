@@ -27,9 +27,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from table_helpers import assert_same
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, UnknownRequestError
-from vtoken.ledger import DST_INFLIGHT, FREE, NO_OWNER, OWNED, SHARED, SHARED_OWNER, BlockLedger
-from vtoken.pool import BlockPool
-from vtoken.table import TokenTable
+from vtoken.bookkeeping.ledger import DST_INFLIGHT, FREE, NO_OWNER, OWNED, SHARED, SHARED_OWNER, BlockLedger
+from vtoken.bookkeeping.pool import BlockPool
+from vtoken.bookkeeping.table import TokenTable
 
 EXAMPLES = int(os.environ.get("VTOKEN_HYPOTHESIS_EXAMPLES", "2000"))
 

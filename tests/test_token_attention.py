@@ -28,7 +28,7 @@ import triton
 
 from aot_helpers import AOT_ARCHS, compile_kernel, compile_module_in_fresh_process, expected_compiles
 from kernel_device import KERNEL_DEVICE
-from vtoken import ops
+from vtoken.device import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.layout import KVLayout, kv_cache_shape
 from vtoken.reference.token_attention import token_attention as ref_attention
@@ -46,7 +46,7 @@ DEV = KERNEL_DEVICE  # every tensor of these tests, oracles included (tests/kern
 # The decode and prefill matrices take the device as a parameter, gpu-marked where a GPU is, so that
 # bench/gpu_check.sh's `-m gpu` step runs them on CUDA tensors (the compiled kernels).
 DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else ["cpu"]
-# vtoken.ops backends on the test device: "cuda" is the extension's C++ CPU kernel when vtoken._C has it
+# vtoken.device.ops backends on the test device: "cuda" is the extension's C++ CPU kernel when vtoken._C has it
 # (CPU tensors only: on a GPU machine DEV is CUDA and Triton compiles).
 OPS_BACKENDS = ["triton", "torch"] + (["cuda"] if DEV == "cpu" and ops.has_extension_op("token_attention") else [])
 
@@ -690,7 +690,7 @@ VALID_POS = torch.tensor([0, 1, 2, 0, -1], dtype=torch.int32, device=DEV)
 @pytest.mark.parametrize("backend", OPS_BACKENDS)
 @pytest.mark.parametrize("case", BAD_ARGS, ids=[c[0] for c in BAD_ARGS])
 def test_bad_arguments_raise_typed_errors(case, backend, monkeypatch):
-    """vtoken.ops checks the contract once, before any backend runs."""
+    """vtoken.device.ops checks the contract once, before any backend runs."""
     monkeypatch.setenv("VTOKEN_BACKEND", backend)
     _, overrides, err, match = case
     args = _valid_args()

@@ -35,7 +35,7 @@ from test_token_attention import (
     expected_scores,
     assert_untouched_bits,
 )
-from vtoken import ops
+from vtoken.device import ops
 from vtoken.errors import InvalidArgumentError
 from vtoken.reference.token_attention import token_attention as ref_attention
 from vtoken_kernels import contracts
@@ -262,7 +262,7 @@ def test_meta_kernel_accepts_meta_tensors():
 
 @needs_op
 def test_ops_picks_the_cpu_kernel_for_cpu_tensors(monkeypatch):
-    """vtoken.ops: the extension first on CPU tensors (one-shot and planned), VTOKEN_BACKEND still forces."""
+    """vtoken.device.ops: the extension first on CPU tensors (one-shot and planned), VTOKEN_BACKEND still forces."""
     monkeypatch.delenv("VTOKEN_BACKEND", raising=False)
     assert ops.select_backend("token_attention", torch.device("cpu"),
                               has_cuda_impl=ops._attention_ext_runs_on(torch.device("cpu"))) == "cuda"

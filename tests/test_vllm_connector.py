@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kernel_device import cpu_engine_triton
-from vtoken import ops
+from vtoken.device import ops
 from vtoken.integrations.vllm import vllm_available
 
 VLLM_OK, VLLM_WHY = vllm_available()
@@ -117,7 +117,7 @@ def _pool(n=16, caching=True):
 
 def test_allocator_satisfies_protocol_over_vllm_block_pool():
     from vtoken.integrations.vllm.allocator import VLLMBlockAllocator
-    from vtoken.pool import BlockAllocator
+    from vtoken.bookkeeping.pool import BlockAllocator
 
     pool = _pool(16)
     a = VLLMBlockAllocator(pool, headroom=3)
@@ -257,7 +257,7 @@ def test_freed_blocks_return_to_the_block_pool(model_dir):
 def test_prefix_shared_blocks_are_never_relocated_or_dropped(model_dir):
     from vllm_sched_harness import make_request
 
-    from vtoken.ledger import SHARED
+    from vtoken.bookkeeping.ledger import SHARED
 
     sched, fw = setup(model_dir, "vtoken", n=1, lo=96, hi=96, max_tokens=40)
     side = side_of(sched)
@@ -723,7 +723,7 @@ def test_attention_plans_once_per_step_and_every_layer_matches_the_reference(mon
     monkeypatch.setenv("VTOKEN_BACKEND", backend)
     from test_token_attention import KEY_SCORE_TOL, UNIT_ROUNDOFF
 
-    from vtoken import ops
+    from vtoken.device import ops
     from vtoken.integrations.vllm.attention import VTokenAttentionImpl
     from vtoken.reference.token_attention import token_attention as ref_attention
     from vtoken_kernels import contracts

@@ -34,9 +34,9 @@ def build_rank(rank: int, bad_rank: int, reduce_scores):
     from vtoken.integrations.vllm.config import VTokenVLLMConfig
     from vtoken.integrations.vllm.meta import VTokenConnectorMetadata
     from vtoken.integrations.vllm.worker import WorkerSide
-    from vtoken.ledger import BlockLedger
-    from vtoken.pool import BlockPool
-    from vtoken.table import TokenTable
+    from vtoken.bookkeeping.ledger import BlockLedger
+    from vtoken.bookkeeping.pool import BlockPool
+    from vtoken.bookkeeping.table import TokenTable
 
     cfg = VTokenVLLMConfig.from_extra_config({"mode": "naive", "policy": "h2o",
                                               "policy_config": {"budget": 0.5, "window": 4, "sink": 0}})

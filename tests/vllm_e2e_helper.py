@@ -148,7 +148,7 @@ def _fail_worker_copies(launches: list) -> None:
     import numpy as np
     import torch
 
-    from vtoken.copy_engine import CopyEngine
+    from vtoken.device.copy_engine import CopyEngine
 
     launch, count = CopyEngine.launch, [0]
 

@@ -2,7 +2,7 @@
 
 Semantics: :mod:`vtoken.reference.block_live_counts`; argument contract:
 :func:`vtoken_kernels.contracts.validate_block_live_counts_args`, checked once
-by :func:`vtoken.ops.block_live_counts` (this launcher does not check again).
+by :func:`vtoken.device.ops.block_live_counts` (this launcher does not check again).
 
 One histogram launch, one finalize launch:
 

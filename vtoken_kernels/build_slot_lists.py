@@ -2,7 +2,7 @@
 
 Semantics: :mod:`vtoken.reference.build_slot_lists`; argument contract:
 :mod:`vtoken_kernels.contracts`. This launcher does not validate
-(:func:`vtoken.ops.build_slot_lists` does, once). It is free of host syncs (no
+(:func:`vtoken.device.ops.build_slot_lists` does, once). It is free of host syncs (no
 ``.item()``), so it can be captured in a CUDA graph; its small workspace comes
 from the caching allocator (the graph's private pool during capture).
 

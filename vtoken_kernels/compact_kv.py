@@ -2,7 +2,7 @@
 
 Semantics: :mod:`vtoken.reference.compact_kv`; argument contract:
 :func:`vtoken_kernels.contracts.check_compact_kv_args`. Callers normally go
-through :func:`vtoken.ops.compact_kv`, which checks the contract once; this
+through :func:`vtoken.device.ops.compact_kv`, which checks the contract once; this
 launcher takes validated arguments and does not check them again.
 
 One launch covers all layers without a device array of pointers: layer 0's

@@ -2,7 +2,7 @@
 
 Each ``check_*`` / ``validate_*`` function raises the typed errors of
 :mod:`vtoken_kernels.errors` ("<arg>: expected X, got Y") before anything is
-written. The op boundary (``vtoken.ops``) calls it once per call; the Triton
+written. The op boundary (``vtoken.device.ops``) calls it once per call; the Triton
 launchers and the torch references take validated arguments and do not check
 them again. Checks that read tensor contents are a host sync on a GPU, so they
 run for CPU tensors, when asked for, or under ``VTOKEN_DEBUG_INVARIANTS=1``,

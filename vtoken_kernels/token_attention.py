@@ -5,7 +5,7 @@ Every key/value row is read through ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``
 sits in a live block is never read. Semantics, shapes, the causal rule and NaN
 propagation are those of :mod:`vtoken.reference.token_attention`. The argument
 contract is :func:`vtoken_kernels.contracts.validate_token_attention_args`,
-checked once by :func:`vtoken.ops.token_attention`; the launcher takes
+checked once by :func:`vtoken.device.ops.token_attention`; the launcher takes
 validated arguments and does not check them again.
 
 Kernels (launched by :func:`token_attention`):
@@ -142,7 +142,7 @@ class TokenAttentionPlan:
 
     Takes sizes that passed the contract
     (:func:`vtoken_kernels.contracts.validate_token_attention_step_args`; the
-    public entry point is :func:`vtoken.ops.plan_token_attention`). Construction
+    public entry point is :func:`vtoken.device.ops.plan_token_attention`). Construction
     picks the splits and tile sizes, builds the prefill tile map on the device
     and allocates every workspace; :meth:`run` launches the kernels and, given
     ``out``, allocates nothing (``return_key_scores`` allocates its result), so

@@ -1,7 +1,7 @@
 """vtoken: token-level KV virtualization for paged LLM serving.
 
-The CPU bookkeeping (``vtoken.pool``, ``vtoken.ledger``, ``vtoken.table``) is
-importable without any GPU; kernels live behind ``vtoken.ops``.
+The CPU bookkeeping (``vtoken.bookkeeping.pool``, ``vtoken.bookkeeping.ledger``, ``vtoken.bookkeeping.table``) is
+importable without any GPU; kernels live behind ``vtoken.device.ops``.
 """
 
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
 """Per-step reclamation metrics, exported as JSON or CSV.
 
 One :class:`StepRecord` per engine step, appended by
-:meth:`vtoken.reclaim.ReclamationManager.commit` (the call that ends a step).
+:meth:`vtoken.reclamation.manager.ReclamationManager.commit` (the call that ends a step).
 Counts are read from the ledger in O(1); times are host wall-clock.
 
 A :class:`MetricsLog` keeps the newest ``capacity`` records (a ring, so a

@@ -1,9 +1,9 @@
 """The dependency versions vtoken supports, checked at run time.
 
-torch >= 2.11 is required: :mod:`vtoken.ops` checks it when imported and
+torch >= 2.11 is required: :mod:`vtoken.device.ops` checks it when imported and
 raises :class:`~vtoken.errors.UnsupportedVersionError` otherwise. Triton >= 3.6
 is optional (CPU torch wheels do not pull it in): without it, or with an older
-one, the Triton backend is unavailable and :mod:`vtoken.ops` dispatches to the
+one, the Triton backend is unavailable and :mod:`vtoken.device.ops` dispatches to the
 extension or the torch reference instead, saying why once.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 
 from vtoken.errors import InvalidArgumentError, check_tensor
 from vtoken.layout import KVLayout, kv_cache_shape
-from vtoken.pool import NULL_BLOCK
+from vtoken.bookkeeping.pool import NULL_BLOCK
 
 KV_LAYOUTS = ("vllm_flash", "vllm_fused", "nhd", "hnd")
 """Layouts the engine can run on (K and V in one tensor per layer)."""

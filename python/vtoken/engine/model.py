@@ -13,7 +13,7 @@ Attention follows the vtoken contract (docs/architecture.md §5): each layer fir
 writes the step's new K/V through ``slot_mapping`` (RoPE already applied, at
 the token's logical position, which never changes), then reads every live
 token of each request through ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]`` with
-:func:`vtoken.ops.token_attention`. A dead token is never read, and its
+:func:`vtoken.device.ops.token_attention`. A dead token is never read, and its
 neighbours keep their positions.
 
 Example (random tiny model, one request of 3 tokens in blocks 1..)::
@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vtoken import ops
+from vtoken.device import ops
 from vtoken.engine.kv_cache import KV_LAYOUTS, allocate_kv_caches, write_kv
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_int, check_tensor
 from vtoken.layout import KVLayout

@@ -19,9 +19,9 @@ inside the graph: the ``StepHooks`` run before and after the forward, on the
 compute stream, outside the captured region. On CPU every step runs eager over the same
 buffers.
 
-The slot lists come from :class:`vtoken.buffers.DeviceMirror` (the device
+The slot lists come from :class:`vtoken.device.buffers.DeviceMirror` (the device
 copy of the token table) and ``ops.build_slot_lists`` into the fixed-address
-:class:`vtoken.buffers.SlotListBuffers`. The mirror follows the table through
+:class:`vtoken.device.buffers.SlotListBuffers`. The mirror follows the table through
 its delta journal, so any table change (the runner's, the reclaimer's moves,
 a direct call) reaches the device at the next build.
 
@@ -49,16 +49,16 @@ import numpy as np
 import torch
 
 from vtoken import PAD_SLOT, cdiv
-from vtoken.buffers import DeviceMirror, SlotListBuffers
-from vtoken.copy_engine import StagingRing
+from vtoken.device.buffers import DeviceMirror, SlotListBuffers
+from vtoken.device.copy_engine import StagingRing
 from vtoken.engine.kv_cache import KV_LAYOUTS
 from vtoken.engine.model import LlamaModel, ModelOutput, StepInputs
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, as_index_array, check_int, \
     is_int
-from vtoken.ledger import BlockLedger
-from vtoken.pool import BlockPool
-from vtoken.step_graphs import padded_batch_sizes
-from vtoken.table import TokenTable
+from vtoken.bookkeeping.ledger import BlockLedger
+from vtoken.bookkeeping.pool import BlockPool
+from vtoken.device.step_graphs import padded_batch_sizes
+from vtoken.bookkeeping.table import TokenTable
 
 PAD = PAD_SLOT
 
@@ -95,7 +95,7 @@ class RunnerConfig:
             ``"sum"`` or ``"per_layer"`` (see :class:`~vtoken.engine.model.ModelOutput`).
         cuda_graph: capture decode steps; ``None`` = on iff the model is on CUDA.
         graph_batch_sizes: padded decode batch sizes to capture (all of them at
-            :meth:`ModelRunner.warmup`); default :func:`vtoken.step_graphs.padded_batch_sizes`
+            :meth:`ModelRunner.warmup`); default :func:`vtoken.device.step_graphs.padded_batch_sizes`
             of ``max_num_reqs``. A batch above the largest runs eagerly.
     """
 
@@ -301,7 +301,7 @@ class ModelRunner:
         self.warmed_up = False
         self.num_graph_replays = 0
         self.num_graph_captures = 0
-        self.reclaimer = None  # a vtoken.reclaim.ReclamationManager, set by the scheduler (finish_request)
+        self.reclaimer = None  # a vtoken.reclamation.manager.ReclamationManager, set by the scheduler (finish_request)
 
     # ------------------------------------------------------------- requests
     def add_request(self, req: Hashable, prefix_blocks=None) -> None:
@@ -335,7 +335,7 @@ class ModelRunner:
         the requests whose prompt the step completes). ``score_sink``:
         an object whose ``token_mass`` (float32, indexed by mirror position) the
         step's attention adds every listed key's mass into (e.g. a
-        :class:`vtoken.decision_loop.DecisionLoop`). Returns
+        :class:`vtoken.decisions.loop.DecisionLoop`). Returns
         ``None``, with nothing changed, when the block budget cannot hold the
         new tokens.
         """

@@ -25,7 +25,7 @@ One :class:`Engine` step is ONE forward (docs/architecture.md §6, §7):
 3. **Sampling and eviction.** Greedy tokens (a request in the middle of its
    prompt samples nothing). In ``naive`` and ``vtoken`` modes the policy then
    decides for each unfinished request whose prompt is complete. With
-   ``decision="device"`` (the default) a :class:`~vtoken.decision_loop.DecisionLoop`
+   ``decision="device"`` (the default) a :class:`~vtoken.decisions.loop.DecisionLoop`
    decides for the whole batch on the device (the attention added every key's
    mass into its per-token buffer; SnapKV's window votes stay on the device),
    kills the victims in the device mirror at once and ships them to the host,
@@ -74,13 +74,13 @@ import numpy as np
 from vtoken import cdiv
 from vtoken.engine.batch_plan import BatchLimits, BatchPlan, SeqState, owed_blocks, plan_batch
 from vtoken.engine.model import LlamaModel
-from vtoken.decision_loop import DecisionLoop
+from vtoken.decisions.loop import DecisionLoop
 from vtoken.engine.runner import ModelRunner, RunnerConfig, StepResult
 from vtoken.engine.step_eviction import StepEviction
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, as_index_array, check_int, check_request_id, is_int
 from vtoken.policies import AT_MODES, EvictionPolicy, ReplayPolicy, TraceRecorder
 from vtoken.policies import get as get_policy
-from vtoken.reclaim import MODES, ReclaimConfig, ReclamationManager
+from vtoken.reclamation.manager import MODES, ReclaimConfig, ReclamationManager
 
 PolicyLike = Union[str, EvictionPolicy, TraceRecorder, ReplayPolicy, None]
 
@@ -113,7 +113,7 @@ class EngineConfig:
         cpu_threads: torch's intra-op threads for a CPU model, set when the
             engine is built (default 1: on a loaded 2-core machine 2 threads
             ran a step about 15x slower than 1); ``None`` leaves torch's setting.
-        decision: ``"device"`` (a :class:`~vtoken.decision_loop.DecisionLoop`;
+        decision: ``"device"`` (a :class:`~vtoken.decisions.loop.DecisionLoop`;
             no per-token host work) or ``"host"`` (numpy per request, the
             baseline). A :class:`ReplayPolicy` always decides on the host.
         decision_graph: replay the device decisions from CUDA graphs (CUDA

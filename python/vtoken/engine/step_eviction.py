@@ -2,7 +2,7 @@
 
 Two paths (``EngineConfig.decision``), the same decisions:
 
-* **device** (a :class:`~vtoken.decision_loop.DecisionLoop`): the whole batch
+* **device** (a :class:`~vtoken.decisions.loop.DecisionLoop`): the whole batch
   decides on the device with no host sync; the host applies the victims at the
   START of the next step (:meth:`StepEviction.apply_device_victims`), one step
   late, and records them in the trace under the deciding step's ``seq_len``;
@@ -32,7 +32,7 @@ class StepEviction:
 
     Args:
         policy: the engine's policy (an ``EvictionPolicy``, ``TraceRecorder`` or ``ReplayPolicy``).
-        decisions: the engine's :class:`~vtoken.decision_loop.DecisionLoop`, or ``None`` (host path).
+        decisions: the engine's :class:`~vtoken.decisions.loop.DecisionLoop`, or ``None`` (host path).
         trace: the :class:`~vtoken.policies.TraceRecorder` that records device decisions, or ``None``.
         runner: the engine's :class:`~vtoken.engine.runner.ModelRunner` (its table, slot lists, ``evict``).
         decides_at: ``"decode"`` or ``"prefill"`` (``EvictionPolicy.at``; a replay's from its trace).

@@ -3,8 +3,8 @@
 An :class:`~vtoken.engine.scheduler.Engine` built with
 ``runner_factory=TraceRunner.factory(...)`` (or :func:`trace_engine`) runs its
 own admission, backpressure, preemption by recompute, eviction and
-reclamation over the REAL :class:`~vtoken.table.TokenTable`, block ledger and
-:class:`~vtoken.reclaim.ReclamationManager`; only the model forward is
+reclamation over the REAL :class:`~vtoken.bookkeeping.table.TokenTable`, block ledger and
+:class:`~vtoken.reclamation.manager.ReclamationManager`; only the model forward is
 skipped. Every step does exactly the table calls :class:`ModelRunner` does
 (``pre_forward`` hooks, ``table.sync_new_tokens_batch``, ``None`` returned
 unchanged when the blocks run out, ``post_forward`` hooks), so the blocks,
@@ -57,7 +57,7 @@ import torch
 
 from vtoken.engine.runner import RunnerConfig, StepHooks, checked_batch, checked_decode, checked_prefill, runner_table
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_int
-from vtoken.table import TokenTable
+from vtoken.bookkeeping.table import TokenTable
 
 
 class AttentionSource(Protocol):

@@ -308,11 +308,11 @@ def resident_engine_config(prompts: Sequence, output_len: int, *, num_blocks: in
 
 
 def reclaim_json(reclaim: Optional[dict] = None) -> dict:
-    """Every field of the :class:`~vtoken.reclaim.ReclaimConfig` vtoken mode runs with, given ``reclaim``'s
+    """Every field of the :class:`~vtoken.reclamation.manager.ReclaimConfig` vtoken mode runs with, given ``reclaim``'s
     overrides (what an experiment's JSON records, so a number always comes with the settings behind it)."""
     import dataclasses
 
-    from vtoken.reclaim import ReclaimConfig
+    from vtoken.reclamation.manager import ReclaimConfig
 
     return dataclasses.asdict(ReclaimConfig(**{**(reclaim or {}), "mode": "vtoken"}))
 
@@ -325,7 +325,7 @@ def full_blocks(prompt_len: int, output_len: int, block_size: int) -> int:
 def fit_num_blocks(requests: int, per_request: int, block_size: int) -> int:
     """The smallest pool (null block included) that holds ``requests x per_request`` blocks in every mode,
     including vtoken's headroom reserve for that many requests."""
-    from vtoken.reclaim_config import auto_headroom
+    from vtoken.reclamation.config import auto_headroom
 
     return requests * per_request + 1 + auto_headroom(requests, block_size)
 

@@ -61,7 +61,7 @@ from vtoken.experiments.common import (
 )
 from vtoken.experiments.prompts import workload_prompts, workload_texts
 from vtoken.experiments.sla import PROMPT_OVERHEAD_BYTES
-from vtoken.reclaim_config import PLANNERS, auto_headroom
+from vtoken.reclamation.config import PLANNERS, auto_headroom
 
 MODES = ("native", "naive", "vtoken")
 DEFAULT_NUM_BLOCKS = 256

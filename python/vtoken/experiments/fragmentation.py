@@ -43,9 +43,9 @@ import numpy as np
 from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError, check_int
 from vtoken.experiments.common import check_memory, check_pool
-from vtoken.ledger import BlockLedger
-from vtoken.pool import BlockPool
-from vtoken.table import TokenTable
+from vtoken.bookkeeping.ledger import BlockLedger
+from vtoken.bookkeeping.pool import BlockPool
+from vtoken.bookkeeping.table import TokenTable
 
 PATTERNS = ("random", "strided", "window")
 WINDOW_SINKS = 4  # StreamingLLM's attention sinks, kept by the window pattern

@@ -24,9 +24,9 @@ feasibility is monotone in C. Every probe is kept in the result.
 
 Two drivers:
 
-- ``trace_only=True``: the REAL :class:`~vtoken.table.TokenTable`,
-  :class:`~vtoken.ledger.BlockLedger`, planner and
-  :class:`~vtoken.reclaim.ReclamationManager` run the engine's step protocol
+- ``trace_only=True``: the REAL :class:`~vtoken.bookkeeping.table.TokenTable`,
+  :class:`~vtoken.bookkeeping.ledger.BlockLedger`, planner and
+  :class:`~vtoken.reclamation.manager.ReclamationManager` run the engine's step protocol
   (admission budget, ``before_forward``, slot assignment, eviction, plan,
   launch, commit) with the model forward skipped. The copy engine runs its CPU
   path with no KV tensors: every plan is launched and committed, only no bytes
@@ -75,10 +75,10 @@ from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, check_int
 from vtoken.experiments.common import check_kv_cache, check_memory, check_pool, save_figure
 from vtoken.experiments.synthetic_scores import SyntheticAttention
-from vtoken.ledger import BlockLedger
-from vtoken.pool import BlockPool
-from vtoken.reclaim import MODES, ReclaimConfig, ReclamationManager
-from vtoken.table import TokenTable
+from vtoken.bookkeeping.ledger import BlockLedger
+from vtoken.bookkeeping.pool import BlockPool
+from vtoken.reclamation.manager import MODES, ReclaimConfig, ReclamationManager
+from vtoken.bookkeeping.table import TokenTable
 
 # The paper's Figure 10 setting (see the module docstring).
 PAPER_REQUEST = {"block_size": 16, "prompt_len": 8192, "output_len": 8129, "kv_budget": 8192}

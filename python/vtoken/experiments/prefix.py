@@ -188,7 +188,7 @@ class _SharedPrefixRun:
 
     def _observe_shared(self, rids: list) -> None:
         """Shared blocks in which some holder has a dead token, right before the reclamation check."""
-        from vtoken.ledger import SHARED
+        from vtoken.bookkeeping.ledger import SHARED
 
         led, table, S = self.eng.table.ledger, self.eng.table, self.cfg.block_size
         self._shared_now = set(np.flatnonzero(led.state == SHARED).tolist())
@@ -241,7 +241,7 @@ class _SharedPrefixRun:
         if self.replay is not None:
             self.replay.check_complete()
         # Blocks still shared were shared all along (references only drop): their slots must be untouched.
-        from vtoken.ledger import SHARED
+        from vtoken.bookkeeping.ledger import SHARED
 
         intact = True
         for r in rids:

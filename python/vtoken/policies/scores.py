@@ -3,7 +3,7 @@
 Two sources feed the policies:
 
 1. :class:`ScoreAccumulator`, fed with EXACT attention probabilities, e.g. the
-   ``key_scores`` that ``vtoken.ops.token_attention(..., return_key_scores=True)``
+   ``key_scores`` that ``vtoken.device.ops.token_attention(..., return_key_scores=True)``
    returns (float32 ``[nnz_max, num_kv_heads]``: row j is the probability mass
    that the request's queries of the step, summed over the queries and over the
    query heads of kv head g's GQA group, gave to the key at ``kv_indices[j]``).

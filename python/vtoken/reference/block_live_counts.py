@@ -18,7 +18,7 @@ Outputs
 
 No backend syncs the host, so F can feed a GPU-side reclamation trigger.
 The arguments are checked once, at the op boundary
-(:func:`vtoken.ops.block_live_counts`), by
+(:func:`vtoken.device.ops.block_live_counts`), by
 :func:`vtoken_kernels.contracts.validate_block_live_counts_args`: its content
 checks (a live token with a slot outside ``[0, num_blocks * block_size)``
 other than PAD) run when the tensors are on the CPU or under

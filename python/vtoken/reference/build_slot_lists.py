@@ -27,7 +27,7 @@ Buffers (outputs, overwritten in place)
 Contract and overflow behaviour: :mod:`vtoken_kernels.contracts` (section
 ``build_slot_lists``). Entries past a buffer's capacity are dropped and
 ``kv_indptr`` saturates at ``nnz_max``. This reference does not validate (the
-caller, :func:`vtoken.ops.build_slot_lists`, does); it never syncs with the
+caller, :func:`vtoken.device.ops.build_slot_lists`, does); it never syncs with the
 host, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations

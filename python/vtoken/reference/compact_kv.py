@@ -19,7 +19,7 @@ Slot contract:
 * Slots are in ``[-1, num_blocks * block_size)``.
 
 :func:`vtoken_kernels.contracts.check_compact_kv_args` checks the arguments
-once, at the op boundary (:func:`vtoken.ops.compact_kv`): the structure
+once, at the op boundary (:func:`vtoken.device.ops.compact_kv`): the structure
 always, the slot contract only with ``validate=True``, or ``validate=None``
 and ``VTOKEN_DEBUG_INVARIANTS=1``, because it synchronizes with the device. A
 rejected call raises :class:`~vtoken.errors.InvalidArgumentError` before
@@ -53,7 +53,7 @@ def token_element_offsets(layout: KVLayout, slots: torch.Tensor) -> torch.Tensor
 def compact_kv(kv_caches, layout: KVLayout, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """Reference ``compact_kv`` (in place): per layer, gather every source row, then scatter.
 
-    Same arguments as :func:`vtoken.ops.compact_kv` (without ``validate``),
+    Same arguments as :func:`vtoken.device.ops.compact_kv` (without ``validate``),
     already checked by the contract. Works on a flat view of each layer's
     elements with ``index_select`` / ``index_copy_``.
     """

@@ -45,7 +45,7 @@ never turned into a finite result):
 
 Arguments are checked once, by
 :func:`vtoken_kernels.contracts.validate_token_attention_args`, at the op
-boundary (:func:`vtoken.ops.token_attention`); this reference does not check
+boundary (:func:`vtoken.device.ops.token_attention`); this reference does not check
 them again.
 """
 from __future__ import annotations
@@ -177,7 +177,7 @@ class TokenAttentionReferencePlan:
     """The torch backend's plan: keeps the step's arguments, ``run`` calls :func:`token_attention`.
 
     Same interface as :class:`vtoken_kernels.token_attention.TokenAttentionPlan`
-    (built by :func:`vtoken.ops.plan_token_attention`); validation happened there.
+    (built by :func:`vtoken.device.ops.plan_token_attention`); validation happened there.
     """
 
     def __init__(self, layout, kv_indices, kv_indptr, q_indptr=None, *, scale=None, mirror_starts=None, kv_pos=None):

@@ -1,4 +1,4 @@
-"""vLLM's ``BlockPool`` behind vtoken's allocator protocol (:class:`vtoken.pool.BlockAllocator`).
+"""vLLM's ``BlockPool`` behind vtoken's allocator protocol (:class:`vtoken.bookkeeping.pool.BlockAllocator`).
 
 In vLLM the scheduler's ``KVCacheManager`` allocates every block a request
 gets; vtoken's ledger only *mirrors* those allocations. The adapter therefore
@@ -30,11 +30,11 @@ from typing import Iterable, Optional
 import numpy as np
 
 from vtoken.errors import InvalidArgumentError, InvariantViolation, as_index_array, check_int
-from vtoken.pool import NULL_BLOCK
+from vtoken.bookkeeping.pool import NULL_BLOCK
 
 
 class VLLMBlockAllocator:
-    """:class:`vtoken.pool.BlockAllocator` over a ``vllm.v1.core.block_pool.BlockPool``.
+    """:class:`vtoken.bookkeeping.pool.BlockAllocator` over a ``vllm.v1.core.block_pool.BlockPool``.
 
     Args:
         block_pool: vLLM's block pool (``KVCacheManager.block_pool``).

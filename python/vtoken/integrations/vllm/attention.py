@@ -1,7 +1,7 @@
 """vtoken's attention backend for vLLM 0.32: attention over each request's live slots.
 
 The backend reads K/V through ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``
-(:func:`vtoken.ops.token_attention`), never through vLLM's block table, so a
+(:func:`vtoken.device.ops.token_attention`), never through vLLM's block table, so a
 token the policy evicted is never attended, even while its block is alive
 (this is what makes Naive-Evict honest), and a relocated token is read at its
 new slot. Positions are vLLM's (``num_computed_tokens + query position``):

@@ -10,7 +10,7 @@ Keys (all optional):
                      required unless ``mode == "native"``.
 ``policy_config``    keyword arguments of ``vtoken.policies.get(policy, ...)``,
                      e.g. ``{"budget": 0.5, "window": 32, "sink": 4}``.
-``reclaim``          fields of :class:`vtoken.reclaim.ReclaimConfig` except
+``reclaim``          fields of :class:`vtoken.reclamation.manager.ReclaimConfig` except
                      ``mode`` (``theta_F``, ``low_watermark``,
                      ``headroom_blocks``, ``check_interval``,
                      ``max_src_per_plan``, ``max_moves_per_step``, ``min_gain``,
@@ -115,7 +115,7 @@ class VTokenVLLMConfig:
         return policy
 
     def make_reclaim_config(self):
-        from vtoken.reclaim import ReclaimConfig
+        from vtoken.reclamation.manager import ReclaimConfig
 
         fields = {f.name for f in dataclasses.fields(ReclaimConfig)} - {"mode"}
         unknown = sorted(set(self.reclaim) - fields)

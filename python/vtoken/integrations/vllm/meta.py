@@ -13,7 +13,7 @@ from vtoken.errors import InvalidArgumentError, InvariantViolation
 class VTokenConnectorMetadata(KVConnectorMetadata):
     """One step's token-table changes and relocation copies.
 
-    ``events``: the scheduler table's :mod:`vtoken.journal` events since the
+    ``events``: the scheduler table's :mod:`vtoken.bookkeeping.journal` events since the
     last step, in order (finishes and evictions, the ``move`` events of the
     relocations the workers confirmed since, registrations and appends of this
     step; a request's first append starts with the slots of its prefix-cache

@@ -45,9 +45,9 @@ from vtoken.integrations.vllm.allocator import VLLMBlockAllocator, drop_hashes
 from vtoken.integrations.vllm.config import VLLM_HEADROOM_SHARE, VTokenVLLMConfig
 from vtoken.integrations.vllm.meta import VTokenConnectorMetadata
 from vtoken.integrations.vllm.surgery import apply_block_list, block_ids
-from vtoken.ledger import OWNED, SHARED, BlockLedger
-from vtoken.pool import NULL_BLOCK
-from vtoken.table import TokenTable
+from vtoken.bookkeeping.ledger import OWNED, SHARED, BlockLedger
+from vtoken.bookkeeping.pool import NULL_BLOCK
+from vtoken.bookkeeping.table import TokenTable
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class SchedulerSide:
         self.stm = managers[0]
         self.pool = kv_cache_manager.block_pool
         self.S = int(self.stm.block_size)
-        from vtoken.reclaim import ReclamationManager
+        from vtoken.reclamation.manager import ReclamationManager
 
         usable = int(self.pool.num_gpu_blocks) - 1
         if self.reclaim_config.headroom_blocks is None:

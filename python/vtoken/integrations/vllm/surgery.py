@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from vtoken.errors import InvariantViolation
-from vtoken.pool import NULL_BLOCK
+from vtoken.bookkeeping.pool import NULL_BLOCK
 
 
 def block_ids(manager, req_id) -> np.ndarray:

@@ -9,9 +9,9 @@ builder hands it to the forward in each step's attention metadata.
 Per step:
 
 - ``handle_preemptions`` (first call of ``execute_model``): apply the step's
-  table events (:mod:`vtoken.journal`, shipped in the connector metadata; the
+  table events (:mod:`vtoken.bookkeeping.journal`, shipped in the connector metadata; the
   moves of relocations whose copy an earlier step ran) to the device mirror
-  (:class:`vtoken.buffers.DeviceMirror`, with no host table of its own), then
+  (:class:`vtoken.device.buffers.DeviceMirror`, with no host table of its own), then
   ``CopyEngine.before_forward``: the compute stream waits on the last
   relocation event (I3; no host wait);
 - ``start_load_kv`` (before the forward: the scheduler side marks every step
@@ -27,7 +27,7 @@ Per step:
   per layer, which adds each listed key's mass in place into one per-step
   score buffer (``score_out``; nothing per layer is allocated or zeroed);
 - ``wait_for_save`` (after the forward): the eviction decision runs on the
-  device (:class:`vtoken.decision_loop.DecisionLoop`: the step's key masses,
+  device (:class:`vtoken.decisions.loop.DecisionLoop`: the step's key masses,
   summed over tensor-parallel ranks on the device, the device policy, the
   victims killed in the mirror so the next attention never reads them; a
   request mid-prompt evicts nothing), then ONE ``compact_kv`` launch on the
@@ -48,10 +48,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from vtoken import invariants, ops
-from vtoken.buffers import DeviceMirror, SlotListBuffers
-from vtoken.copy_engine import CopyEngine
-from vtoken.decision_loop import DecisionLoop
+from vtoken.bookkeeping import invariants
+from vtoken.device import ops
+from vtoken.device.buffers import DeviceMirror, SlotListBuffers
+from vtoken.device.copy_engine import CopyEngine
+from vtoken.decisions.loop import DecisionLoop
 from vtoken.errors import InvalidArgumentError, InvariantViolation
 from vtoken.integrations.vllm.meta import StepDecisions, VTokenConnectorMetadata, VTokenWorkerMetadata
 from vtoken.integrations.vllm.workspace import AttentionWorkspace
@@ -277,7 +278,7 @@ class WorkerSide:
         return self.loop is not None and self.loop.scored
 
     def plan_attention(self, meta, *, num_q_heads: int, dtype: torch.dtype, scale: float):
-        """The step's :class:`vtoken.ops.TokenAttentionStep` over ``meta``'s slot lists (planned once, kept on ``meta``).
+        """The step's :class:`vtoken.device.ops.TokenAttentionStep` over ``meta``'s slot lists (planned once, kept on ``meta``).
 
         Every layer of the step runs it. With scores, each run adds its keys' mass into the
         per-entry score buffer: ``score_out[0 + j]`` is entry ``j``'s (``mirror_starts`` zeros,

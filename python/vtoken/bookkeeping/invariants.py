@@ -24,8 +24,8 @@ import torch
 from vtoken import cdiv
 from vtoken.errors import InvariantViolation, debug_checks_enabled, has_duplicates
 from vtoken.layout import KVLayout
-from vtoken.ledger import DST_INFLIGHT, FREE, OWNED, SHARED, SRC_INFLIGHT
-from vtoken.pool import NULL_BLOCK
+from vtoken.bookkeeping.ledger import DST_INFLIGHT, FREE, OWNED, SHARED, SRC_INFLIGHT
+from vtoken.bookkeeping.pool import NULL_BLOCK
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -188,7 +188,7 @@ def check_plan(plan, table, *, pre_launch: bool = True) -> None:
 
 
 def _check_fill_plan(plan, table, row: int, *, pre_launch: bool) -> None:
-    """I4 for a hole-filling plan (vtoken.hole_planner): every move lands in a hole of a fill block."""
+    """I4 for a hole-filling plan (vtoken.reclamation.hole_planner): every move lands in a hole of a fill block."""
     led, S, req = table.ledger, table.S, plan.request
     src = plan.src_blocks.astype(np.int64)
     fill = plan.fill_blocks.astype(np.int64)

@@ -17,7 +17,7 @@ it, and always before it would grow. Segments grow by 1/16 and the arena by
 1.0625 * 1.03125 (4.79), plus one 64-token rounding per request.
 
 Ownership: the arena owns the geometry (``base``, ``cap``, ``ntok``, the
-arena's end and garbage) and moves segments; the :class:`vtoken.table.TokenTable`
+arena's end and garbage) and moves segments; the :class:`vtoken.bookkeeping.table.TokenTable`
 owns what the segments hold (it writes ``slots`` / ``bits`` / ``blocks``
 within a row's ``[base, base + ntok)``).
 """
@@ -30,7 +30,7 @@ import numpy as np
 
 from vtoken import PAD_SLOT, cdiv
 from vtoken.errors import InvalidArgumentError
-from vtoken.pool import NULL_BLOCK
+from vtoken.bookkeeping.pool import NULL_BLOCK
 
 _ROW_ARRAYS = ("base", "cap", "ntok", "in_use")
 

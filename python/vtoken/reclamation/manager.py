@@ -26,9 +26,9 @@ at once, and the freed sources can be handed out at once (their next writer
 is a later forward, which waits on E_N).
 
 The manager is a facade over three parts, each owning its state:
-:class:`vtoken.reclaim_trigger.ReclaimTrigger` (when and how much),
-:class:`vtoken.reclaim_executor.PlanExecutor` (plans from reservation to
-commit) and :class:`vtoken.reclaim_checks.ReclaimChecks` (debug checks). It
+:class:`vtoken.reclamation.trigger.ReclaimTrigger` (when and how much),
+:class:`vtoken.reclamation.executor.PlanExecutor` (plans from reservation to
+commit) and :class:`vtoken.reclamation.checks.ReclaimChecks` (debug checks). It
 owns the step counter and the metrics.
 """
 from __future__ import annotations
@@ -38,15 +38,15 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from vtoken.copy_engine import CopyEngine
+from vtoken.device.copy_engine import CopyEngine
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.metrics import MetricsLog, StepRecord
-from vtoken.planner import Plan
-from vtoken.reclaim_checks import ReclaimChecks
-from vtoken.reclaim_config import MAX_MOVES_PER_STEP, MODES, AdmissionBudget, Count, ReclaimConfig
-from vtoken.reclaim_executor import PlanExecutor
-from vtoken.reclaim_trigger import ReclaimTrigger
-from vtoken.table import TokenTable
+from vtoken.reclamation.planner import Plan
+from vtoken.reclamation.checks import ReclaimChecks
+from vtoken.reclamation.config import MAX_MOVES_PER_STEP, MODES, AdmissionBudget, Count, ReclaimConfig
+from vtoken.reclamation.executor import PlanExecutor
+from vtoken.reclamation.trigger import ReclaimTrigger
+from vtoken.bookkeeping.table import TokenTable
 
 __all__ = ["MAX_MOVES_PER_STEP", "MODES", "AdmissionBudget", "Count", "ReclaimConfig", "ReclamationManager"]
 
@@ -55,11 +55,11 @@ class ReclamationManager:
     """Turns the holes eviction leaves into free blocks. See the module docstring.
 
     Args:
-        table: the :class:`vtoken.table.TokenTable` (its ledger is used).
+        table: the :class:`vtoken.bookkeeping.table.TokenTable` (its ledger is used).
         config: a :class:`ReclaimConfig` (default: vtoken mode, defaults).
         kv_caches / layout: every layer's KV cache and its layout, for the
             copy; ``None`` runs the bookkeeping only (no data moves).
-        mirror: a :class:`vtoken.buffers.DeviceMirror` checked against the table
+        mirror: a :class:`vtoken.device.buffers.DeviceMirror` checked against the table
             (I2, debug only); it follows the table's journal by itself.
         pending_kills: ``() -> {request: token ids}`` killed on the device and not yet in the table
             (a decision loop's ``pending_victims``): the I2 check expects those bits cleared.
@@ -68,9 +68,9 @@ class ReclamationManager:
         compute_stream / device: passed to the copy engine.
 
     Example (bookkeeping only):
-        >>> from vtoken.pool import BlockPool
-        >>> from vtoken.ledger import BlockLedger
-        >>> from vtoken.table import TokenTable
+        >>> from vtoken.bookkeeping.pool import BlockPool
+        >>> from vtoken.bookkeeping.ledger import BlockLedger
+        >>> from vtoken.bookkeeping.table import TokenTable
         >>> t = TokenTable(BlockLedger(BlockPool(40), 4))
         >>> mgr = ReclamationManager(t, ReclaimConfig(low_watermark=40, headroom_blocks=2, check_interval=1))
         >>> t.add_request("a"); _ = t.sync_new_tokens("a", 32)

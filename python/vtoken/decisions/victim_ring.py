@@ -1,6 +1,6 @@
 """VictimRing: a step's device-side eviction decisions, shipped to the host asynchronously.
 
-The device decision loop (:mod:`vtoken.decision_loop`) writes each step's
+The device decision loop (:mod:`vtoken.decisions.loop`) writes each step's
 outcome into one fixed-size int32 device record; :meth:`VictimRing.ship` then
 copies it to a pinned host buffer with ``non_blocking=True`` and records an
 event. :meth:`VictimRing.ready` hands back, oldest first, the records whose

@@ -7,7 +7,7 @@ token of the sparsest blocks (the sources) into the dead slots (the holes) of
 the same request's denser blocks (the fill blocks), then frees the emptied
 sources. It needs no spare block, so no destination reserve.
 
-Rules (I4 for hole filling, checked by :func:`vtoken.invariants.check_plan`):
+Rules (I4 for hole filling, checked by :func:`vtoken.bookkeeping.invariants.check_plan`):
 
 * request-local, and a source is freed only if ALL its live tokens move;
 * sources: private (OWNED), not the tail, not in flight, neither full nor empty;

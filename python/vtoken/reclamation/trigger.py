@@ -22,19 +22,19 @@ from __future__ import annotations
 import numpy as np
 
 from vtoken.errors import check_int
-from vtoken.ledger import OWNED
+from vtoken.bookkeeping.ledger import OWNED
 from vtoken.metrics import StepRecord
-from vtoken.hole_planner import select_fill
-from vtoken.planner import Plan, per_request_gain, select_sources
-from vtoken.reclaim_config import AdmissionBudget, ReclaimConfig
-from vtoken.reclaim_executor import PlanExecutor
+from vtoken.reclamation.hole_planner import select_fill
+from vtoken.reclamation.planner import Plan, per_request_gain, select_sources
+from vtoken.reclamation.config import AdmissionBudget, ReclaimConfig
+from vtoken.reclamation.executor import PlanExecutor
 
 
 class ReclaimTrigger:
     """Decides which requests to relocate each step; owns the pending flag and the candidate queue.
 
     Args:
-        table: the :class:`vtoken.table.TokenTable` (its ledger is read).
+        table: the :class:`vtoken.bookkeeping.table.TokenTable` (its ledger is read).
         config: the :class:`ReclaimConfig`; its block counts are resolved
             against the pool here (``low_watermark``, ``headroom``).
     """

@@ -10,16 +10,16 @@ null block, so ``len(block list) == ceil(num_tokens / S)`` always holds.
 
 The pieces, one owner each (docs/architecture.md):
 
-- :class:`vtoken.arena.SegmentArena`: where each request's slots, alive bits
+- :class:`vtoken.bookkeeping.arena.SegmentArena`: where each request's slots, alive bits
   and block list are stored (numpy arenas, <= 5 bytes per token);
 - this class: request rows, append, evict and the reads;
-- :class:`vtoken.shared_blocks.SharedBlocks`: shared-prefix holders;
-- :class:`vtoken.relocation.RelocationTransitions`: a relocation plan's block
+- :class:`vtoken.bookkeeping.shared_blocks.SharedBlocks`: shared-prefix holders;
+- :class:`vtoken.bookkeeping.relocation.RelocationTransitions`: a relocation plan's block
   transitions (the reclaimer's calls, exposed here);
-- :class:`vtoken.ledger.BlockLedger`: per-block counts and states, changed
+- :class:`vtoken.bookkeeping.ledger.BlockLedger`: per-block counts and states, changed
   only through its methods;
-- :class:`vtoken.journal.DeltaJournal`: every change, for the mirrors;
-- :func:`vtoken.invariants.check_table`: the O(tokens) invariant checks.
+- :class:`vtoken.bookkeeping.journal.DeltaJournal`: every change, for the mirrors;
+- :func:`vtoken.bookkeeping.invariants.check_table`: the O(tokens) invariant checks.
 
 Naive-Evict semantics are built in: a non-tail block in which a request has no
 live token left is released at once (freed if private, unreferenced if shared).
@@ -35,7 +35,7 @@ from typing import Optional
 import numpy as np
 
 from vtoken import cdiv
-from vtoken.arena import SegmentArena
+from vtoken.bookkeeping.arena import SegmentArena
 from vtoken.errors import (
     InvalidArgumentError,
     InvalidTypeError,
@@ -43,12 +43,12 @@ from vtoken.errors import (
     check_int,
     has_duplicates,
 )
-from vtoken.journal import EVICT_ORIGINS, DeltaJournal
-from vtoken.ledger import DST_INFLIGHT, OWNED, SHARED, BlockLedger
-from vtoken.pool import NULL_BLOCK
-from vtoken.relocation import RelocationTransitions
-from vtoken.request_rows import RequestRows
-from vtoken.shared_blocks import SharedBlocks
+from vtoken.bookkeeping.journal import EVICT_ORIGINS, DeltaJournal
+from vtoken.bookkeeping.ledger import DST_INFLIGHT, OWNED, SHARED, BlockLedger
+from vtoken.bookkeeping.pool import NULL_BLOCK
+from vtoken.bookkeeping.relocation import RelocationTransitions
+from vtoken.bookkeeping.request_rows import RequestRows
+from vtoken.bookkeeping.shared_blocks import SharedBlocks
 
 _DTYPE = operator.attrgetter("dtype")
 _BIT = (1 << np.arange(8)).astype(np.uint8)  # alive-bit masks by offset in the byte: one gather, no casts
@@ -65,8 +65,8 @@ class TokenTable:
     """Token tables of every request over one :class:`BlockLedger`.
 
     Example:
-        >>> from vtoken.pool import BlockPool
-        >>> from vtoken.ledger import BlockLedger
+        >>> from vtoken.bookkeeping.pool import BlockPool
+        >>> from vtoken.bookkeeping.ledger import BlockLedger
         >>> table = TokenTable(BlockLedger(BlockPool(64), block_size=16))
         >>> table.add_request("a")
         >>> table.sync_new_tokens("a", 40).tolist()[:3]
@@ -449,13 +449,13 @@ class TokenTable:
 
     # ------------------------------------------------------------- checking
     def snapshot(self) -> dict:
-        """A deep copy of all state, for bit-identical comparisons: :func:`vtoken.invariants.table_snapshot`."""
-        from vtoken.invariants import table_snapshot
+        """A deep copy of all state, for bit-identical comparisons: :func:`vtoken.bookkeeping.invariants.table_snapshot`."""
+        from vtoken.bookkeeping.invariants import table_snapshot
 
         return table_snapshot(self)
 
     def check_invariants(self) -> None:
-        """Conservation, I2 (unique mapping) and live counts vs a recount: :func:`vtoken.invariants.check_table`."""
-        from vtoken.invariants import check_table
+        """Conservation, I2 (unique mapping) and live counts vs a recount: :func:`vtoken.bookkeeping.invariants.check_table`."""
+        from vtoken.bookkeeping.invariants import check_table
 
         check_table(self)

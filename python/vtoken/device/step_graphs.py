@@ -1,6 +1,6 @@
 """StepGraphs: CUDA graphs of the decision loop's device step, one per padded batch size.
 
-:meth:`vtoken.decision_loop.DecisionLoop.decide` launches about a hundred
+:meth:`vtoken.decisions.loop.DecisionLoop.decide` launches about a hundred
 small kernels; eagerly, their launch cost is the host's biggest share of a
 step. Captured once per padded batch size, a step is one ``replay()``.
 

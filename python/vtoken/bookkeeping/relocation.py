@@ -19,14 +19,14 @@ import numpy as np
 
 from vtoken import cdiv
 from vtoken.errors import InvalidArgumentError, as_index_array, has_duplicates
-from vtoken.ledger import DST_INFLIGHT, OWNED, SHARED, SRC_INFLIGHT, STATE_NAMES
-from vtoken.pool import NULL_BLOCK
+from vtoken.bookkeeping.ledger import DST_INFLIGHT, OWNED, SHARED, SRC_INFLIGHT, STATE_NAMES
+from vtoken.bookkeeping.pool import NULL_BLOCK
 
 _PRIVATE_STATES = (OWNED, SRC_INFLIGHT)
 
 
 class RelocationTransitions:
-    """Relocation transitions of one :class:`vtoken.table.TokenTable`."""
+    """Relocation transitions of one :class:`vtoken.bookkeeping.table.TokenTable`."""
 
     def __init__(self, table):
         self.table = table
@@ -66,7 +66,7 @@ class RelocationTransitions:
         if (led.state[src_blocks] == SHARED).any():
             raise InvalidArgumentError("token_ids: expected tokens in private blocks, got tokens in shared blocks")
         dst_blocks = dst // S
-        # SRC_INFLIGHT destinations: the fill blocks of a hole-filling plan (vtoken.hole_planner).
+        # SRC_INFLIGHT destinations: the fill blocks of a hole-filling plan (vtoken.reclamation.hole_planner).
         ok = np.isin(led.state[dst_blocks], (OWNED, DST_INFLIGHT, SRC_INFLIGHT)) & (led.owner[dst_blocks] == row)
         if not ok.all():
             raise InvalidArgumentError(
@@ -151,7 +151,7 @@ class RelocationTransitions:
         return b.astype(np.int32), led.live[b].astype(np.int32)
 
     def fill_candidates(self, req):
-        """What a hole-filling plan of ``req`` may use (:func:`vtoken.hole_planner.select_fill`).
+        """What a hole-filling plan of ``req`` may use (:func:`vtoken.reclamation.hole_planner.select_fill`).
 
         Returns ``(blocks int32 [n], live int32 [n], fillable bool [n], tail_block, tail_holes,
         tail_cursor)``: the sources' candidates (:meth:`relocation_candidates`), which of them

@@ -1,11 +1,11 @@
 """Relocation planner: which live tokens of a request move where (docs/reclamation.md).
 
 Pure numpy functions over a consistent snapshot of one request. They allocate
-nothing and mutate nothing: :class:`vtoken.reclaim.ReclamationManager` takes
+nothing and mutate nothing: :class:`vtoken.reclamation.manager.ReclamationManager` takes
 the snapshot, reserves the destination blocks from the headroom, and turns the
 result into an in-flight relocation.
 
-Rules (I4, checked by :func:`vtoken.invariants.check_plan`):
+Rules (I4, checked by :func:`vtoken.bookkeeping.invariants.check_plan`):
 
 * request-local: every source, destination and token belongs to one request;
 * sources are the request's private blocks (ledger state OWNED, so ref == 1),
@@ -61,7 +61,7 @@ class Plan:
         dst_slots  [M]  their new slots: ``dst_blocks[j // S] * S + j % S``
         src_blocks [k]  the sources, sparsest first; all are freed on commit
         dst_blocks [d]  the destinations, in fill order; ``d = ceil(M / S) < k``
-        fill_blocks [f] a hole-filling plan's destinations (:mod:`vtoken.hole_planner`): blocks
+        fill_blocks [f] a hole-filling plan's destinations (:mod:`vtoken.reclamation.hole_planner`): blocks
                         the request already owns, whose holes take the moves; then
                         ``dst_blocks`` is empty and the moves need no logical order
 

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from vtoken import invariants
+from vtoken.bookkeeping import invariants
 from vtoken.errors import InvariantViolation
-from vtoken.planner import Plan
+from vtoken.reclamation.planner import Plan
 
 
 class ReclaimChecks:
     """I1 / I2 / I4 checks around one manager's plans; owns the I1 "before" captures.
 
     Args:
-        table: the :class:`vtoken.table.TokenTable`.
-        copy_engine: the :class:`vtoken.copy_engine.CopyEngine` (its caches and layout are read).
+        table: the :class:`vtoken.bookkeeping.table.TokenTable`.
+        copy_engine: the :class:`vtoken.device.copy_engine.CopyEngine` (its caches and layout are read).
         mirror: the device mirror compared with the table (I2), or ``None``.
         flag: ``True`` / ``False``, or ``None`` to read ``VTOKEN_DEBUG_INVARIANTS`` at each call.
         pending_kills: ``() -> {request: token ids}``, the device kills the table has yet to learn

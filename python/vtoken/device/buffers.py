@@ -29,7 +29,7 @@ are inputs of ``build_slot_lists`` (run before a graph replay), never
 captured themselves. The :class:`SlotListBuffers` tensors never move.
 
 The mirror follows the table through its delta journal
-(:mod:`vtoken.journal`): every append, eviction, move, registration and
+(:mod:`vtoken.bookkeeping.journal`): every append, eviction, move, registration and
 finish reaches it at the next :meth:`DeviceMirror.sync` (``build`` syncs
 first), so no caller has to remember to tell it. Without a table
 (the vLLM worker), :meth:`DeviceMirror.apply` takes the events directly.
@@ -49,8 +49,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from vtoken import PAD_SLOT, ops
-from vtoken.copy_engine import StagingRing
+from vtoken import PAD_SLOT
+from vtoken.device import ops
+from vtoken.device.copy_engine import StagingRing
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, InvariantViolation, as_index_array, check_int, has_duplicates
 
 PAD = PAD_SLOT
@@ -193,7 +194,7 @@ class DeltaShipper:
 
 
 class DeviceMirror:
-    """Per-token slot / alive arrays of a :class:`vtoken.table.TokenTable`, on a device.
+    """Per-token slot / alive arrays of a :class:`vtoken.bookkeeping.table.TokenTable`, on a device.
 
     Args:
         table: the token table mirrored (the host copy is canonical).
@@ -203,9 +204,9 @@ class DeviceMirror:
         min_slack: at least this many extra positions per segment.
 
     Example:
-        >>> from vtoken.pool import BlockPool
-        >>> from vtoken.ledger import BlockLedger
-        >>> from vtoken.table import TokenTable
+        >>> from vtoken.bookkeeping.pool import BlockPool
+        >>> from vtoken.bookkeeping.ledger import BlockLedger
+        >>> from vtoken.bookkeeping.table import TokenTable
         >>> t = TokenTable(BlockLedger(BlockPool(16), 4))
         >>> m = DeviceMirror(t, "cpu")
         >>> t.add_request("a"); _ = t.sync_new_tokens("a", 6); t.evict("a", [1])
@@ -313,7 +314,7 @@ class DeviceMirror:
         """Clear the alive bit at ``positions[i]`` where ``kill[i]`` (device tensors, no host sync).
 
         The device-side decision loop evicts here first; the host table learns
-        the same victims a step later (:mod:`vtoken.decision_loop`), and its
+        the same victims a step later (:mod:`vtoken.decisions.loop`), and its
         journal's ``evict`` event (origin ``"device"``) then brings the
         host-side live counts up to date without shipping those bits back: the
         decision is applied on the device once. Until then
@@ -333,7 +334,7 @@ class DeviceMirror:
             self.apply(self.table.journal.take(self._reader))
 
     def apply(self, events) -> None:
-        """Apply table events (:mod:`vtoken.journal`) in order; device writes wait for :meth:`flush`."""
+        """Apply table events (:mod:`vtoken.bookkeeping.journal`) in order; device writes wait for :meth:`flush`."""
         events = list(events)
         unknown = [ev[0] for ev in events if ev[0] not in self._HANDLERS]
         if unknown:  # before any event is applied

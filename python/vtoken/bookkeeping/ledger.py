@@ -1,6 +1,6 @@
 """BlockLedger: per-physical-block live counts, ownership and state.
 
-The ledger wraps an allocator (:class:`vtoken.pool.BlockAllocator`) and keeps,
+The ledger wraps an allocator (:class:`vtoken.bookkeeping.pool.BlockAllocator`) and keeps,
 for every block id ``b``:
 
 - ``live[b]``: live tokens stored in ``b`` (``n_b`` in the waste ratio). For a
@@ -32,7 +32,7 @@ from typing import Optional
 import numpy as np
 
 from vtoken.errors import InvalidArgumentError, InvariantViolation, check_int
-from vtoken.pool import NULL_BLOCK, BlockAllocator
+from vtoken.bookkeeping.pool import NULL_BLOCK, BlockAllocator
 
 FREE, OWNED, SHARED, SRC_INFLIGHT, DST_INFLIGHT = 0, 1, 2, 3, 4
 STATE_NAMES = ("FREE", "OWNED", "SHARED", "SRC_INFLIGHT", "DST_INFLIGHT")

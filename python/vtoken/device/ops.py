@@ -223,7 +223,7 @@ def plan_token_attention(layout, kv_indices, kv_indptr, q_indptr=None, *, num_q_
     Example::
 
         >>> import torch
-        >>> from vtoken import ops
+        >>> from vtoken.device import ops
         >>> from vtoken.layout import KVLayout, kv_cache_shape
         >>> caches = [torch.randn(kv_cache_shape("nhd", 4, 16, 2, 64)) for _ in range(2)]
         >>> lay = KVLayout.from_tensor(caches[0], "nhd")
@@ -361,7 +361,7 @@ def compact_kv(kv_caches, layout, src_slots, dst_slots, *, validate=None) -> Non
     -------
     >>> import torch
     >>> from vtoken.layout import KVLayout, kv_cache_shape
-    >>> from vtoken.ops import compact_kv
+    >>> from vtoken.device.ops import compact_kv
     >>> caches = [torch.randn(kv_cache_shape("nhd", 4, 16, 2, 64)) for _ in range(3)]
     >>> layout = KVLayout.from_tensor(caches[0], "nhd")
     >>> src = torch.tensor([17, 40], dtype=torch.int32)
@@ -437,7 +437,7 @@ def build_slot_lists(slots, alive, mirror_starts, num_tokens, new_token_counts, 
     Example
     -------
     >>> import torch
-    >>> from vtoken.ops import build_slot_lists
+    >>> from vtoken.device.ops import build_slot_lists
     >>> slots = torch.tensor([20, 21, -1, 5, 6, 7], dtype=torch.int32)
     >>> alive = torch.tensor([1, 1, 0, 1, 0, 1], dtype=torch.int8)
     >>> starts = torch.tensor([3, 0])  # request 0 at [3, 6), request 1 at [0, 2)
@@ -476,7 +476,7 @@ def block_live_counts(slots, alive, num_blocks: int, block_size: int, allocated=
     Example
     -------
     >>> import torch
-    >>> from vtoken.ops import block_live_counts
+    >>> from vtoken.device.ops import block_live_counts
     >>> slots = torch.tensor([0, 1, 17, -1], dtype=torch.int32)
     >>> alive = torch.tensor([True, False, True, True])
     >>> counts, f = block_live_counts(slots, alive, num_blocks=2, block_size=16)

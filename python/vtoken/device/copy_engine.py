@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from vtoken import ops
+from vtoken.device import ops
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, check_int
 from vtoken.layout import KVLayout
 
@@ -284,7 +284,7 @@ class CopyEngine:
     def _copy(self, src_dev: torch.Tensor, dst_dev: torch.Tensor) -> None:
         if self.kv_caches:
             # NOTE: validate=False on GPU: the planner guarantees the contract
-            # (unique destinations, disjoint from the sources), vtoken.invariants
+            # (unique destinations, disjoint from the sources), vtoken.bookkeeping.invariants
             # re-checks it on the host under VTOKEN_DEBUG_INVARIANTS, and the
             # kernel's own content checks would read device memory (a sync).
             ops.compact_kv(self.kv_caches, self.layout, src_dev, dst_dev,

@@ -15,7 +15,7 @@ the batch holds:
    masses from :attr:`token_mass` (indexed by mirror position, written in
    place by ``token_attention``'s ``score_out``) and resets them;
 3. the policy's ``select_victims_device`` picks every request's victims;
-4. the victims that fit the :class:`~vtoken.victim_ring.VictimRing` record are
+4. the victims that fit the :class:`~vtoken.decisions.victim_ring.VictimRing` record are
    killed in the device mirror (alive bit 0), so the next attention never
    reads them; the rest stay alive and are picked again next step;
 5. the per-block live counts are rebuilt from the mirror after the kills with
@@ -42,14 +42,14 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from vtoken import ops
+from vtoken.device import ops
 from vtoken.errors import (InvalidArgumentError, InvalidTypeError, InvariantViolation, as_index_array, check_int,
                            check_tensor, debug_checks_enabled)
 from vtoken.policies.base import request_seed
 from vtoken.policies.counter_hash import fold32
 from vtoken.policies.device import DeviceBatch, DevicePolicyState
-from vtoken.step_graphs import StepGraphs
-from vtoken.victim_ring import VictimRing
+from vtoken.device.step_graphs import StepGraphs
+from vtoken.decisions.victim_ring import VictimRing
 
 _NO_BUDGET = np.iinfo(np.int64).max  # a request that must not evict this step (e.g. it just finished)
 # Rows of the per-request argument buffer: seq_len, num_new, budget, step, seed, window vote, deferred.
@@ -104,14 +104,14 @@ def _csr_rows(values: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> tuple
 
 
 class DecisionLoop:
-    """Device-side eviction for one :class:`~vtoken.buffers.DeviceMirror` (see module docstring).
+    """Device-side eviction for one :class:`~vtoken.device.buffers.DeviceMirror` (see module docstring).
 
     Args:
         policy: an :class:`~vtoken.policies.base.EvictionPolicy` with a device path.
         mirror: the device mirror the runner builds its slot lists from.
         num_blocks / block_size: the KV cache's geometry (slot = block * block_size + offset).
         max_reqs: most requests per step.
-        table: the host :class:`~vtoken.table.TokenTable` the victims go to (default: the mirror's;
+        table: the host :class:`~vtoken.bookkeeping.table.TokenTable` the victims go to (default: the mirror's;
             None when the mirror has none either: :meth:`drain` then only returns the decisions).
         victim_capacity: victims one step's record holds, default ``max(8 * max_reqs, 1024)``
             (it grows between steps when a step wanted more).

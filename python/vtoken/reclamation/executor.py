@@ -8,7 +8,7 @@ Life of a plan (one per request at a time, I4)::
     rollback  destinations freed, sources back to OWNED, the table untouched
 
 A plan remembers the registration of its request (``plan.meta["generation"]``,
-from :meth:`vtoken.table.TokenTable.generation`): once that request is
+from :meth:`vtoken.bookkeeping.table.TokenTable.generation`): once that request is
 finished, even if an id is registered again (and gets the same row), the plan
 is stale; its blocks were freed by the finish, so it is never copied,
 committed or rolled back.
@@ -21,19 +21,19 @@ from typing import Optional, Sequence
 import numpy as np
 
 from vtoken.errors import InvalidArgumentError
-from vtoken.ledger import DST_INFLIGHT
+from vtoken.bookkeeping.ledger import DST_INFLIGHT
 from vtoken.metrics import StepRecord
-from vtoken.hole_planner import FillChoice, collect_fill_moves
-from vtoken.planner import Plan, SourceChoice, make_plan
-from vtoken.reclaim_checks import ReclaimChecks
+from vtoken.reclamation.hole_planner import FillChoice, collect_fill_moves
+from vtoken.reclamation.planner import Plan, SourceChoice, make_plan
+from vtoken.reclamation.checks import ReclaimChecks
 
 
 class PlanExecutor:
     """Makes, launches, commits and rolls back plans; owns the made / launched / in-flight sets.
 
     Args:
-        table: the :class:`vtoken.table.TokenTable`.
-        copy_engine: the :class:`vtoken.copy_engine.CopyEngine` that copies the moves.
+        table: the :class:`vtoken.bookkeeping.table.TokenTable`.
+        copy_engine: the :class:`vtoken.device.copy_engine.CopyEngine` that copies the moves.
         checks: the :class:`ReclaimChecks` run around each plan (debug only).
     """
 

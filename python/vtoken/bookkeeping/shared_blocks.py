@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from vtoken.errors import InvalidArgumentError
-from vtoken.ledger import OWNED, SHARED
+from vtoken.bookkeeping.ledger import OWNED, SHARED
 
 
 class SharedBlocks:
@@ -30,7 +30,7 @@ class SharedBlocks:
         self.moved_into = np.zeros(ledger.num_blocks, dtype=bool)
         # NOTE: blocks a prefix-cache hit outside the table may read (vLLM: blocks with a hash),
         # set by the integration. A hit attends every offset, dead ones included, so such a
-        # block is never a hole-filling destination (vtoken.hole_planner).
+        # block is never a hole-filling destination (vtoken.reclamation.hole_planner).
         self.hit_readable = np.zeros(ledger.num_blocks, dtype=bool)
 
     def check_prefix(self, prefix: np.ndarray) -> None:

@@ -1,6 +1,6 @@
 """Reclamation settings (:class:`ReclaimConfig`) and the per-step admission answer (:class:`AdmissionBudget`).
 
-Both are re-exported by :mod:`vtoken.reclaim`, where the manager that reads them lives.
+Both are re-exported by :mod:`vtoken.reclamation.manager`, where the manager that reads them lives.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class ReclaimConfig:
             (backpressure) while reclamation is pending and free blocks are at
             or below it.
         planner: ``holes`` (the default: sources are emptied into the holes
-            of the request's own denser blocks, :mod:`vtoken.hole_planner`; a
+            of the request's own denser blocks, :mod:`vtoken.reclamation.hole_planner`; a
             fresh-block plan only where it frees more and a reserve was set) or
             ``fresh`` (every plan fills fresh blocks from the reserve: the
             previous planner, kept for the paired measurements).
