@@ -37,7 +37,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from vtoken.device.buffers import DeviceMirror
 from vtoken.device.copy_engine import CopyEngine
 from vtoken.errors import InvalidArgumentError
-from vtoken.bookkeeping.invariants import gather_token_rows
+from vtoken.device.kv_fingerprint import gather_token_rows
 from vtoken.layout import KVLayout, kv_cache_shape
 from vtoken.bookkeeping.ledger import BlockLedger
 from vtoken.bookkeeping.pool import BlockPool

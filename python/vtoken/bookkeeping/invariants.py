@@ -1,68 +1,31 @@
 """Runtime invariants of the token table and of relocation (docs/architecture.md).
 
-* **I1** (content): per request, a hash of the ordered live token ids plus
-  their K/V bytes in every layer is the same before and after a relocation.
+* **I1** (content) reads the K/V caches, so it lives on the device side:
+  :mod:`vtoken.device.kv_fingerprint`.
 * **I2** (mapping): every live token has exactly one slot and no slot has two
   owners; the ledger's counts equal a recount; conservation
   (:func:`check_table`); and the device mirror,
   when there is one, equals the table.
 * **I4** (plan gates): :func:`check_plan` / :func:`check_plans`.
 
-These checks read tensors on the host (a device sync on GPU), so the runtime
-runs them only when :func:`enabled` is true: ``VTOKEN_DEBUG_INVARIANTS=1``
+These checks walk the whole table (and the mirror check reads the device, a
+sync on GPU), so the runtime runs them only when :func:`enabled` is true: ``VTOKEN_DEBUG_INVARIANTS=1``
 (the test suite sets it) or an explicit ``check_invariants=True`` in the
 reclamation config.
 """
 from __future__ import annotations
 
-import hashlib
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import numpy as np
-import torch
 
 from vtoken import cdiv
 from vtoken.errors import InvariantViolation, debug_checks_enabled, has_duplicates
-from vtoken.layout import KVLayout
 from vtoken.bookkeeping.ledger import DST_INFLIGHT, FREE, OWNED, SHARED, SRC_INFLIGHT
 from vtoken.bookkeeping.pool import NULL_BLOCK
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 enabled = debug_checks_enabled
 """True under ``VTOKEN_DEBUG_INVARIANTS=1`` (any value but empty / ``0``): see :func:`vtoken.errors.debug_checks_enabled`."""
-
-
-# ----------------------------------------------------------------------- I1
-def gather_token_rows(cache: torch.Tensor, layout: KVLayout, slots) -> torch.Tensor:
-    """The raw K/V elements of ``slots`` in one layer, ``[n, num_kv, num_heads, head_dim]``.
-
-    Addressed through ``layout``'s strides, so every layout works; returned as
-    a same-width integer view so that the comparison is bitwise (NaN payloads
-    and fp8 included).
-    """
-    raw = cache.view(_INT_OF_SIZE[cache.element_size()])
-    s = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=cache.device)
-    S = layout.block_size
-    base = (s // S) * layout.stride_block + (s % S) * layout.stride_offset
-    dev = cache.device
-    kv = torch.arange(layout.num_kv, device=dev) * layout.stride_kv
-    h = torch.arange(layout.num_heads, device=dev) * layout.stride_head
-    d = torch.arange(layout.head_dim, device=dev)
-    idx = base[:, None, None, None] + kv[None, :, None, None] + h[None, None, :, None] + d
-    extent = 1 + sum((n - 1) * st for n, st in zip(raw.shape, raw.stride()))
-    flat = raw.as_strided((extent,), (1,), raw.storage_offset())
-    return flat[idx]
-
-
-def fingerprint_rows(token_ids, rows: Sequence[torch.Tensor]) -> str:
-    """I1 hash of ordered token ids plus, per layer, their gathered K/V rows."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    for r in rows:
-        h.update(r.cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------- I2

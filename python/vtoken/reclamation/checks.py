@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from vtoken.bookkeeping import invariants
+from vtoken.device import kv_fingerprint
 from vtoken.errors import InvariantViolation
 from vtoken.reclamation.planner import Plan
 
@@ -59,7 +60,7 @@ class ReclaimChecks:
         for p in plans:
             ids = table.live_ids(p.request)
             slots = table.live_slots(p.request)
-            rows = [invariants.gather_token_rows(c, eng.layout, slots).cpu() for c in eng.kv_caches]
+            rows = [kv_fingerprint.gather_token_rows(c, eng.layout, slots).cpu() for c in eng.kv_caches]
             self._before[p.request] = (table.generation(p.request), ids, rows)
 
     def check_after_commit(self) -> None:
@@ -75,9 +76,9 @@ class ReclaimChecks:
                 still = table.is_alive(req, ids)
                 keep_ids = ids[still]
                 slots = table.slots(req)[keep_ids]
-                before = invariants.fingerprint_rows(keep_ids, [r[still] for r in rows])
-                after_rows = [invariants.gather_token_rows(c, eng.layout, slots).cpu() for c in eng.kv_caches]
-                after = invariants.fingerprint_rows(keep_ids, after_rows)
+                before = kv_fingerprint.fingerprint_rows(keep_ids, [r[still] for r in rows])
+                after_rows = [kv_fingerprint.gather_token_rows(c, eng.layout, slots).cpu() for c in eng.kv_caches]
+                after = kv_fingerprint.fingerprint_rows(keep_ids, after_rows)
                 if before != after:
                     raise InvariantViolation(
                         f"I1: live ids / K/V bytes of request {req!r} changed across a relocation"

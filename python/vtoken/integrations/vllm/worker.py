@@ -48,8 +48,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from vtoken.bookkeeping import invariants
-from vtoken.device import ops
+from vtoken.device import kv_fingerprint, ops
 from vtoken.device.buffers import DeviceMirror, SlotListBuffers
 from vtoken.device.copy_engine import CopyEngine
 from vtoken.decisions.loop import DecisionLoop
@@ -432,7 +431,7 @@ class WorkerSide:
         """I1 for the copy: every layer's K/V rows at ``dst`` equal those at ``src`` (debug; syncs)."""
         self.copy_engine.synchronize()
         for c in self.kv_caches:
-            a = invariants.gather_token_rows(c, self.layout, src)
-            b = invariants.gather_token_rows(c, self.layout, dst)
+            a = kv_fingerprint.gather_token_rows(c, self.layout, src)
+            b = kv_fingerprint.gather_token_rows(c, self.layout, dst)
             if not torch.equal(a, b):
                 raise InvariantViolation("I1: a relocation copy's destination rows differ from its source rows")
