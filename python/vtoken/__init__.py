@@ -1,7 +1,12 @@
 """vtoken: token-level KV virtualization for paged LLM serving.
 
-The CPU bookkeeping (``vtoken.bookkeeping.pool``, ``vtoken.bookkeeping.ledger``, ``vtoken.bookkeeping.table``) is
-importable without any GPU; kernels live behind ``vtoken.device.ops``.
+One subpackage per component, importing one way (docs/architecture.md §8):
+``vtoken.bookkeeping`` (the host's token table, numpy only, importable
+without torch) <- ``vtoken.device`` (the kernels' door ``vtoken.device.ops``,
+device buffers and mirror, copy engine) <- ``vtoken.reclamation`` (lazy
+compaction) and ``vtoken.decisions`` (eviction on the device, with
+``vtoken.policies``) <- the applications: ``vtoken.engine``,
+``vtoken.integrations.vllm``, ``vtoken.experiments``, ``vtoken.cli``.
 """
 
 __version__ = "0.1.0"
