@@ -122,10 +122,8 @@ MAY_IMPORT = {
     "reclamation": {"bookkeeping", "device"},
     "decisions": {"bookkeeping", "device", "policies"},
     "integrations": CORE | {"checkpoints"},
-    # NOTE: engine and checkpoints import each other, lazily both ways (checkpoints' loader builds the
-    # engine's model; the engine loads checkpoints on request): one cycle left among the applications.
-    "engine": CORE | {"checkpoints"},
-    "checkpoints": CORE | {"engine"},
+    "engine": CORE | {"checkpoints"},  # the engine builds models from checkpoints (engine.pretrained)
+    "checkpoints": CORE,
     "experiments": CORE | {"engine", "checkpoints"},
     "cli": CORE | {"engine", "checkpoints", "experiments"},
 }
