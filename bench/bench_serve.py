@@ -16,7 +16,10 @@ Writes ``bench/results/serve.json`` and prints a dated markdown table::
     python bench/bench_serve.py            # the configuration in bench/RESULTS.md
     python bench/bench_serve.py --quick    # a smoke run (~1 min per mode on CPU)
 
-Run it with the vLLM venv's Python and ``PYTHONPATH=python:.``. The CPU
+Run it with the vLLM venv's Python and ``PYTHONPATH=python:.``; naive and
+vtoken need vtoken's ``vllm.general_plugins`` entry point in that Python
+(``pip install -e .`` there; the run refuses to start without it, since vLLM's
+CPU_ATTN would attend their holed block lists). The CPU
 build's ``vllm`` console script cannot start (it asks for the "vllm"
 distribution), hence the module entry points.
 """
@@ -142,8 +145,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def check_plugin(modes) -> None:
+    """Refuse naive / vtoken without vtoken's vLLM plugin: vLLM's CPU_ATTN would attend their holed block lists."""
+    from importlib.metadata import entry_points
+
+    if set(modes) - {"vanilla"} and "vtoken" not in {e.name for e in entry_points(group="vllm.general_plugins")}:
+        raise SystemExit("vtoken's vllm.general_plugins entry point is not installed in this Python (pip install -e . "
+                         "into the vLLM venv, docs/vllm.md): naive / vtoken would run on vLLM's CPU_ATTN")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    check_plugin(args.modes.split(","))
     os.environ.setdefault("VTOKEN_DEBUG_INVARIANTS", "0")
     from vtoken.checkpoints.loader import exported_dir
 

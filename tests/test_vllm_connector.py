@@ -378,6 +378,31 @@ def test_admission_query_is_side_effect_free_and_never_holds_a_request_back(mode
     assert side.table.requests() == []
 
 
+@pytest.mark.parametrize("mode, admits", [("naive", False), ("vtoken", True)])
+def test_reclamation_frees_blocks_for_the_waiting_prompt(model_dir, mode, admits):
+    """vLLM admits a waiting request by its whole prompt's blocks: vtoken reclaims for that demand too.
+
+    33 usable blocks, prompts of 9 blocks: 3 requests are admitted, the 4th
+    waits (6 free). After h2o halves the running requests, reclamation can
+    free enough for it, but only if the trigger counts its prompt: the
+    library's default trigger (no low-watermark override) saw only the
+    running requests' growth and stopped ~2 blocks short.
+    """
+    sched, fw = setup(model_dir, mode, num_blocks=34, n=4, lo=144, hi=144, max_tokens=64, max_num_seqs=4,
+                      reclaim={})
+    side = side_of(sched)
+    fw.step()
+    assert [r.request_id for r in sched.running] == ["r0", "r1", "r2"]  # r3's 9 blocks do not fit
+    while len(sched.running) < 4 and len(sched.requests) == 4:  # until r3 runs or a request finishes
+        fw.step()
+    assert (len(sched.running) == 4) == admits  # all four at once, before any request finished
+    if admits:
+        assert side.summary()["reclaimed_blocks"] >= 3
+        assert side.manager.trigger.waiting_blocks == 0  # r3 admitted: no demand left
+    fw.run()
+    assert side.table.requests() == []
+
+
 def test_no_eviction_before_the_whole_prompt_is_computed(model_dir):
     """Chunked prefill: a request becomes evictable only once its last prompt chunk is computed."""
     sched, fw = setup(model_dir, "vtoken", n=4, lo=150, hi=250, max_tokens=32, num_blocks=160,

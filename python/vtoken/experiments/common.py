@@ -308,7 +308,7 @@ def resident_engine_config(prompts: Sequence, output_len: int, *, num_blocks: in
 
 
 def reclaim_json(reclaim: Optional[dict] = None) -> dict:
-    """Every field of the :class:`~vtoken.reclamation.manager.ReclaimConfig` vtoken mode runs with, given ``reclaim``'s
+    """Every field of the :class:`~vtoken.reclamation.config.ReclaimConfig` vtoken mode runs with, given ``reclaim``'s
     overrides (what an experiment's JSON records, so a number always comes with the settings behind it)."""
     import dataclasses
 

@@ -10,7 +10,7 @@ Keys (all optional):
                      required unless ``mode == "native"``.
 ``policy_config``    keyword arguments of ``vtoken.policies.get(policy, ...)``,
                      e.g. ``{"budget": 0.5, "window": 32, "sink": 4}``.
-``reclaim``          fields of :class:`vtoken.reclamation.manager.ReclaimConfig` except
+``reclaim``          fields of :class:`vtoken.reclamation.config.ReclaimConfig` except
                      ``mode`` (``theta_F``, ``low_watermark``,
                      ``headroom_blocks``, ``check_interval``,
                      ``max_src_per_plan``, ``max_moves_per_step``, ``min_gain``,
@@ -44,7 +44,7 @@ from typing import Any, Optional
 from vtoken.errors import InvalidArgumentError, InvalidTypeError, debug_checks_enabled
 
 MODES = ("native", "naive", "vtoken")
-VLLM_LOW_WATERMARK = 0.10  # free-block floor standing in for vLLM's waiting queue (see make_reclaim_config)
+VLLM_LOW_WATERMARK = 0.10  # free-block floor, slack beyond the waiting head's demand (see make_reclaim_config)
 VLLM_HEADROOM_SHARE = 0.02  # the headroom stash, a fixed share of the pool (see make_reclaim_config)
 _KEYS = ("mode", "policy", "policy_config", "reclaim", "drop_tainted_hashes", "full_decode_graphs", "check_invariants")
 
@@ -124,8 +124,8 @@ class VTokenVLLMConfig:
         cfg: dict[str, Any] = dict(self.reclaim)
         cfg.setdefault("check_invariants", self.check_invariants)
         # NOTE: two library defaults do not fit vLLM. Its waiting queue is vLLM's own, so the connector
-        # cannot report the waiting prompts as demand (the embedded engine does): a free-block floor of
-        # 10% stands in for it. And its headroom is a physical stash taken once, at bind, so it cannot
+        # reports only its head as demand (the request vLLM tried to admit; the embedded engine reports
+        # every prompt a free slot could admit): a free-block floor of 10% is kept as slack. And its headroom is a physical stash taken once, at bind, so it cannot
         # follow the running requests: 2% of the pool.
         cfg.setdefault("low_watermark", VLLM_LOW_WATERMARK)
         cfg.setdefault("headroom_blocks", VLLM_HEADROOM_SHARE)

@@ -166,7 +166,9 @@ class VTokenConnector(KVConnectorBase_V1):
         self.scheduler_side.bind(kv_cache_manager)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        # NOTE: no "None" (needs more time) under memory pressure: see docs/vllm.md, "Admission".
+        # NOTE: no "None" (needs more time) under memory pressure: see docs/vllm.md, "Admission". The
+        # call only tells the reclamation trigger which prompt vLLM would admit next.
+        self.scheduler_side.note_waiting_head(request.request_id, request.num_tokens, num_computed_tokens)
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:

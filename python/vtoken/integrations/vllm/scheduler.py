@@ -8,7 +8,9 @@ One :class:`SchedulerSide` lives in vLLM's engine-core process next to the
 2. :meth:`SchedulerSide.build_meta` (``build_connector_meta``, the last call of
    ``schedule()``): forget preempted requests, mirror the step's new tokens and
    the blocks vLLM gave them into the token table (the adapter hands the table
-   exactly those blocks), run the reclamation manager (plan, bookkeeping
+   exactly those blocks), report the waiting demand (the prompt vLLM could
+   not admit this schedule, :meth:`SchedulerSide.note_waiting_head`), run
+   the reclamation manager (plan, bookkeeping
    launch; the plans stay in flight, sources and destinations held), stop
    vLLM hashing the blocks of requests whose prompt is complete, and ship the
    deltas and the plans' copies to the workers.
@@ -75,6 +77,7 @@ class SchedulerSide:
         self.step = 0
         self._reqs: dict = {}
         self._admitting: dict = {}  # request id -> tokens known when vLLM allocated it this schedule
+        self._waiting_head: tuple | None = None  # (request id, blocks) vLLM tried to admit this schedule
         self._decided_through = -1  # the workers' decisions of steps up to this one were applied
         self._recent_decisions: dict = {}  # step -> the decisions applied for it (to compare a late rank's)
         self._unconfirmed: dict = {}  # step -> its launched plans, held until the workers report their copy
@@ -130,6 +133,31 @@ class SchedulerSide:
         """vLLM allocated blocks for a waiting request (new or resumed) knowing ``num_tokens`` of its tokens."""
         self._admitting[rid] = int(num_tokens)
 
+    def note_waiting_head(self, rid, num_tokens: int, num_computed: int) -> None:
+        """vLLM considers admitting waiting request ``rid`` (``num_tokens``, ``num_computed`` of them cached).
+
+        NOTE: vLLM admits first come, first served and stops at the first
+        request whose whole prompt (plus its watermark) does not fit the free
+        blocks, so the last request it considers in a schedule and does not
+        admit is the one more free blocks would let in next: its blocks are
+        the waiting demand the trigger sees (:meth:`_waiting_demand`). Without
+        it, reclamation freed blocks only for the running requests' growth
+        and never enough to admit another prompt.
+        """
+        blocks = cdiv(int(num_tokens), self.S) - int(num_computed) // self.S
+        self._waiting_head = (rid, blocks + int(self.kvm.watermark_blocks))
+
+    def _waiting_demand(self) -> int:
+        """Blocks owed beyond the running requests' growth: the waiting head's prompt and the rest of partial prompts."""
+        owed = 0
+        for rid, st in self._reqs.items():
+            if not st.hashing_frozen and rid in self.table:  # its prompt is still being computed (chunked)
+                owed += max(0, cdiv(st.prompt_tokens, self.S) - cdiv(self.table.num_tokens(rid), self.S))
+        head, self._waiting_head = self._waiting_head, None
+        if head is not None and head[0] not in self.table:  # not admitted in the end
+            owed += head[1]
+        return owed
+
     # -------------------------------------------------------------- per step
     def build_meta(self, so) -> VTokenConnectorMetadata:
         """Mirror the scheduled step ``so`` (a vLLM ``SchedulerOutput``); return the worker deltas."""
@@ -170,6 +198,7 @@ class SchedulerSide:
                 self._freeze_hashing(rid, st)
         self._mirror_batch(batch)
         t1 = time.perf_counter()
+        self.manager.note_waiting(self._waiting_demand())
         copy_src, copy_dst = self._reclaim()
         t2 = time.perf_counter()
         self._admitting.clear()
