@@ -112,9 +112,10 @@ class Workload:
 
 
 def make_policy(name: str, ctx: int):
-    if name == "h2o":
-        return P.get("h2o", budget=ctx, window=min(32, ctx // 2))
-    return P.get("streamingllm", sink=4, window=ctx - 4)
+    """``name`` at a budget of ``ctx`` live tokens (h2o, tova, random, streamingllm)."""
+    if name == "streamingllm":
+        return P.get("streamingllm", sink=4, window=ctx - 4)
+    return P.get(name, budget=ctx, window=min(32, ctx // 2), **({"seed": 1} if name == "random" else {}))
 
 
 def run(policy_name: str, reqs: int, ctx: int, scale: int, steps: int) -> dict:
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reqs", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--scales", default="1,8,64")
-    ap.add_argument("--policies", default="h2o,streamingllm")
+    ap.add_argument("--policies", default="h2o,tova,random,streamingllm")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
