@@ -7,9 +7,13 @@ written: the decision loop's kills (:meth:`SlotCounts.shift` with -1 per
 victim) and each mirror flush (the mirror shows its watchers the positions it
 writes, before and after: ``DeltaShipper.add_write_watcher``). A re-layout
 moves positions with their slot and alive bit together, so it changes no
-count. Per step this is device work over the step's entries, not over the
+count. Per step this is device work over the step's victims, not over the
 mirror or every slot; :meth:`SlotCounts.check` (debug, syncs) compares with
 a recount of the whole mirror.
+
+NOTE: the device kills counted are the owner's (one decision loop per
+mirror); another object's ``kill_on_device`` on the same mirror would go
+uncounted until the debug check reports the drift.
 
 Example (CPU)::
 
