@@ -306,9 +306,10 @@ def test_state_rejects_bad_scores_and_long_histories():
         DevicePolicyState.for_policy(P.get("scissorhands", history=65), 8, "cpu")
 
 
-def test_selection_reads_nothing_back_from_the_device():
+@pytest.mark.parametrize("name", ["h2o", "streamingllm"])  # two sorts; one sort (an integer priority)
+def test_selection_reads_nothing_back_from_the_device(name):
     """On the meta device any host read (.item(), .tolist(), bool()) raises: the selection has none."""
-    policy = P.get("h2o", budget=2, window=1)
+    policy = P.get(name, budget=2, window=1, **({"sink": 0} if name == "streamingllm" else {}))
     batch = DeviceBatch(**{k: (v.to("meta") if isinstance(v, torch.Tensor) else v)
                            for k, v in vars(_tiny_batch()).items() if not k.startswith("_")})
     state = DevicePolicyState.for_policy(policy, 8, "meta")
