@@ -18,11 +18,11 @@ the batch holds:
 4. the victims that fit the :class:`~vtoken.victim_ring.VictimRing` record are
    killed in the device mirror (alive bit 0), so the next attention never
    reads them; the rest stay alive and are picked again next step;
-5. the per-slot holder counts and per-block live counts follow the kills
-   (a shared-prefix block counts a slot while ANY holder keeps it alive, the
-   ledger's rule): O(entries) device work, as each mirror flush's writes are
-   followed over the positions it writes (``DeviceMirror.add_write_watcher``);
-   under ``VTOKEN_DEBUG_INVARIANTS`` each step recounts them from the whole
+5. the per-block live counts (:class:`~vtoken.slot_counts.SlotCounts`; a
+   shared-prefix block counts a slot while ANY holder keeps it alive, the
+   ledger's rule) follow the kills: O(victims) device work, as each mirror
+   flush is followed over the positions it writes; under
+   ``VTOKEN_DEBUG_INVARIANTS`` each step recounts them from the whole
    mirror and compares. A block that held a
    victim and now counts zero is one of the step's emptied blocks (the frees
    of Naive-Evict; the host frees them when it applies the victims, except a
@@ -348,9 +348,9 @@ class DecisionLoop:
         if window_scores is not None:
             self.policy.record_votes_device(self.state, batch, window_scores)
         mask, _ = self.policy.select_victims_device(self.state, batch)
-        self._apply(batch, slot_lists, mask, mp)
+        self._apply(batch, mask, mp)
 
-    def _apply(self, batch: DeviceBatch, slot_lists, mask: torch.Tensor, mp: torch.Tensor) -> None:
+    def _apply(self, batch: DeviceBatch, mask: torch.Tensor, mp: torch.Tensor) -> None:
         """Trim to the record, kill in the mirror, update the block counts, write the record (device only)."""
         ring, rec = self.ring, self.ring.record
         dest = torch.cumsum(mask, 0) - 1
