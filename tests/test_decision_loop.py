@@ -20,7 +20,7 @@ import torch
 from vtoken import policies as P
 from vtoken.device.buffers import DeviceMirror, SlotListBuffers
 from vtoken.decisions.loop import DecisionLoop
-from vtoken.errors import InvalidArgumentError
+from vtoken.errors import InvalidArgumentError, InvariantViolation
 from vtoken.bookkeeping.ledger import BlockLedger
 from vtoken.bookkeeping.pool import BlockPool
 from vtoken.device.step_graphs import StepGraphs, padded_batch_sizes
@@ -427,3 +427,68 @@ def test_blocks_reused_between_decide_and_drain_are_no_alarm_and_the_loop_keeps_
     assert [r.reqs for r in applied] == [[0, 1]] and applied[0].applied.tolist() == [False, True]
     assert pair.loop.drain() == [] and pair.loop.ring.peek() == []
     pair.a.check_invariants()
+
+
+def _expected_block_live(table, pending):
+    """Distinct live slots per block over every request of ``table`` (the union rule), less the
+    device's kills the host has yet to apply (``pending``: {request: token ids})."""
+    live = []
+    for r in table.requests():
+        mask = table.live_mask(r).copy()
+        mask[pending.get(r, [])] = False
+        live.append(table.slots(r)[mask])
+    return np.bincount(np.unique(np.concatenate(live)) // S, minlength=NB)
+
+
+def test_block_counts_follow_every_mirror_write_without_a_recount():
+    """Appends, host evictions, device kills, moves, a shared prefix, a finish and re-layouts: the counts
+    the loop maintains over the positions written equal a recount of the whole mirror at every step."""
+    from vtoken.bookkeeping.ledger import DST_INFLIGHT
+
+    t = TokenTable(BlockLedger(BlockPool(NB), block_size=S))
+    mirror = DeviceMirror(t, "cpu", initial_tokens=16, min_slack=2)  # small: appends re-lay it out
+    t.add_request("a")
+    t.sync_new_tokens("a", 3 * S)  # before the loop: its first count comes from the mirror
+    loop = DecisionLoop(P.get("streamingllm", sink=1, window=3, budget=6), mirror, num_blocks=NB, block_size=S,
+                        max_reqs=3)
+    bufs = SlotListBuffers(max_reqs=3, nnz_max=NB * S, max_tokens=64)
+    t.add_request("b")
+    t.add_request("c", prefix_blocks=t.block_list("a")[:2])  # shares a's first two blocks
+    t.evict("a", [5])  # a's prefix block holds a dead token for "a" only: still live through "c"
+
+    def check():
+        mirror.sync()
+        mirror.flush()
+        loop.counts.check()
+        assert loop.block_live[:NB].tolist() == _expected_block_live(t, loop.pending_victims()).tolist()
+
+    relayouts = mirror.relayouts
+    for step in range(6):
+        loop.drain()
+        reqs = [r for r in ("a", "b", "c") if r in t]
+        new = np.array([5 if step == 0 else 1] * len(reqs))
+        t.sync_new_tokens_batch(reqs, new)
+        mirror.build(bufs, reqs, new)
+        loop.decide(reqs, bufs, seq_lens=[t.num_tokens(r) for r in reqs], num_new=new)
+        check()
+        if step == 2:  # move the live tokens of b's first block into a fresh block
+            loop.drain_all()  # the host's live tokens are the device's
+            dst = t.ledger.allocate(1, t.row_of("b"), -1, state=DST_INFLIGHT, use_reserve=True)
+            toks = t.live_ids("b")[t.live_slots("b") // S == t.block_list("b")[0]]
+            t.relocation.apply_moves("b", toks, dst[0] * S + np.arange(len(toks)))
+            check()
+        if step == 3:
+            t.finish("b")
+            check()
+    loop.drain_all()
+    check()
+    assert mirror.relayouts > relayouts and loop.num_applied > 0
+
+
+@pytest.mark.debug_checks
+def test_drifted_block_counts_are_caught():
+    pair = Pair(P.get("streamingllm", sink=1, window=2, budget=4), 2, np.random.default_rng(0))
+    pair.step([0, 1], {0: 8, 1: 8}, coarse=True)
+    pair.loop.block_live[0] += 1
+    with pytest.raises(InvariantViolation, match="block live counts drifted"):
+        pair.step([0, 1], {0: 1, 1: 1}, coarse=True)

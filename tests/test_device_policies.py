@@ -210,6 +210,55 @@ def test_segmented_selection_ties_nan_signed_zero_and_infinities(seed):
         assert int(counts[r]) == expect.size
 
 
+class _IntProbe(_Probe):
+    """A probe whose priorities are small integers: ``device_int_priority`` gives them with ``bits`` bits."""
+
+    name = "int-probe"
+
+    def __init__(self, priority, bits, **cfg):
+        super().__init__(priority, **cfg)
+        self.bits = bits
+
+    def device_int_priority(self, state, batch):
+        return self.device_values.to(torch.int64), self.bits
+
+
+@pytest.mark.parametrize("bits", [0, 2, 40, 62])
+@pytest.mark.parametrize("seed", range(3))
+def test_one_sort_over_integer_priorities_equals_the_oracle_with_many_requests_and_ties(seed, bits):
+    """One sort of (request, candidate first, integer priority) picks the oracle's victims, ties to the
+    older token; ``bits`` 0 is the packed order, and 62 bits leave no room for the segment (two sorts)."""
+    rng = np.random.default_rng(200 + seed)
+    num_reqs = int(rng.integers(150, 400))  # segments above 2**8: more than a byte of segment bits
+    cfg = {"budget": {"ratio": 0.4, "cap": int(rng.integers(1, 12))}, "sink": int(rng.integers(0, 3)),
+           "window": int(rng.integers(0, 3))}
+    top = 1 if bits == 0 else min(1 << bits, 4 if seed % 2 else 1 << 40)  # seeds 1: four values, ties everywhere
+    lives, prio = [], {}
+    for r in range(num_reqs):
+        seq = int(rng.integers(1, 24))
+        live = np.flatnonzero(rng.random(seq) < 0.7)
+        lives.append(live if live.size else np.array([seq - 1]))
+        prio[r] = (lives[-1] if bits == 0 else rng.integers(0, top, lives[-1].size)).astype(np.float64)
+    probe = _IntProbe(prio, bits, **cfg)
+    probe.device_values = torch.from_numpy(np.concatenate([prio[r] for r in range(num_reqs)] + [np.zeros(3)]))
+    seqs = [int(x[-1]) + 1 for x in lives]
+    batch = DeviceBatch(
+        kv_pos=torch.from_numpy(np.concatenate(lives + [np.zeros(3, np.int64)])),
+        kv_indptr=torch.from_numpy(np.concatenate([[0], np.cumsum([x.size for x in lives])])),
+        mirror_starts=torch.zeros(num_reqs, dtype=torch.int64), seq_len=torch.tensor(seqs),
+        num_new=torch.ones(num_reqs, dtype=torch.int64), budget=torch.from_numpy(resolve_budgets(probe, seqs)),
+        num_reqs=num_reqs)
+    mask, counts = select_victims(probe, DevicePolicyState(0, "cpu"), batch)
+    ptr = batch.kv_indptr.numpy()
+    chosen = 0
+    for r in range(num_reqs):
+        expect = probe.select_victims(probe.view(r, 0, lives[r], seq_len=seqs[r], num_new=1))
+        assert lives[r][mask[ptr[r]: ptr[r + 1]].numpy()].tolist() == expect.tolist()
+        assert int(counts[r]) == expect.size
+        chosen += expect.size
+    assert chosen > num_reqs // 2 and not mask[ptr[num_reqs]:].any()
+
+
 def test_order_key_orders_like_a_stable_float_sort():
     x = torch.tensor([np.nan, 3.0, -0.0, -np.inf, 0.0, np.inf, -2.5, -np.nan, 5e-324, -5e-324])
     key = order_key(x)
@@ -257,9 +306,10 @@ def test_state_rejects_bad_scores_and_long_histories():
         DevicePolicyState.for_policy(P.get("scissorhands", history=65), 8, "cpu")
 
 
-def test_selection_reads_nothing_back_from_the_device():
+@pytest.mark.parametrize("name", ["h2o", "streamingllm"])  # two sorts; one sort (an integer priority)
+def test_selection_reads_nothing_back_from_the_device(name):
     """On the meta device any host read (.item(), .tolist(), bool()) raises: the selection has none."""
-    policy = P.get("h2o", budget=2, window=1)
+    policy = P.get(name, budget=2, window=1, **({"sink": 0} if name == "streamingllm" else {}))
     batch = DeviceBatch(**{k: (v.to("meta") if isinstance(v, torch.Tensor) else v)
                            for k, v in vars(_tiny_batch()).items() if not k.startswith("_")})
     state = DevicePolicyState.for_policy(policy, 8, "meta")

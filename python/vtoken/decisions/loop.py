@@ -18,10 +18,12 @@ the batch holds:
 4. the victims that fit the :class:`~vtoken.decisions.victim_ring.VictimRing` record are
    killed in the device mirror (alive bit 0), so the next attention never
    reads them; the rest stay alive and are picked again next step;
-5. the per-block live counts are rebuilt from the mirror after the kills with
-   ``ops.block_live_counts`` (a shared-prefix block counts a slot while ANY
-   holder keeps it alive, the ledger's rule): O(mirror) device work, and
-   derived state that cannot drift from the mirror. A block that held a
+5. the per-block live counts (:class:`~vtoken.decisions.slot_counts.SlotCounts`; a
+   shared-prefix block counts a slot while ANY holder keeps it alive, the
+   ledger's rule) follow the kills: O(victims) device work, as each mirror
+   flush is followed over the positions it writes; under
+   ``VTOKEN_DEBUG_INVARIANTS`` each step recounts them from the whole
+   mirror and compares. A block that held a
    victim and now counts zero is one of the step's emptied blocks (the frees
    of Naive-Evict; the host frees them when it applies the victims, except a
    request's tail block, which it keeps for the next append);
@@ -42,12 +44,12 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from vtoken.device import ops
 from vtoken.errors import (InvalidArgumentError, InvalidTypeError, InvariantViolation, as_index_array, check_int,
                            check_tensor, debug_checks_enabled)
 from vtoken.policies.base import request_seed
 from vtoken.policies.counter_hash import fold32
 from vtoken.policies.device import DeviceBatch, DevicePolicyState
+from vtoken.decisions.slot_counts import SlotCounts
 from vtoken.device.step_graphs import StepGraphs
 from vtoken.decisions.victim_ring import VictimRing
 
@@ -152,12 +154,10 @@ class DecisionLoop:
         # Per-step key mass by mirror position (+1 trash); token_attention adds into it, decide() resets it.
         self.token_mass = torch.zeros(cap + 1, dtype=torch.float32, device=self.device) if self.scored else None
         mirror.add_layout_listener(self._follow_layout)
-        num_slots = self.num_blocks * self.block_size
-        dev = dict(device=self.device)
-        self._slot_ids = torch.arange(num_slots, dtype=torch.int32, **dev)
-        self._refs = torch.zeros(num_slots + 1, dtype=torch.int32, **dev)  # alive holders per slot (+ trash)
-        self.block_live = torch.zeros(self.num_blocks + 1, dtype=torch.int32, **dev)  # + trash
-        self.waste_ratio = torch.zeros((), dtype=torch.float32, **dev)
+        self.counts = SlotCounts(mirror, self.num_blocks, self.block_size)
+        # The counts' tensors, updated in place (a captured graph writes the same ones).
+        self.block_live, self.waste_ratio = self.counts.block_live, self.counts.waste_ratio
+        self._block_pick = torch.zeros(self.num_blocks + 1, dtype=torch.int64, device=self.device)  # see _apply
         self._keyed = hasattr(policy, "seed")  # Random draws from (seed, step, request, token)
         self._seed_cache: dict = {}
         self.steps = 0
@@ -270,6 +270,8 @@ class DecisionLoop:
             self._device_step(slot_lists, n, window_scores)
         meta = StepMeta(self.steps, reqs, self._generations(reqs), seq_lens.copy(), skip | defer)
         self.ring.ship(meta)
+        if debug_checks_enabled():
+            self.counts.check()
         if self.table is not None and debug_checks_enabled():  # who held each block when the device decided
             self._owners_at_decide = (self.steps, self.table.ledger.owner.copy())
         self.steps += 1
@@ -345,12 +347,11 @@ class DecisionLoop:
         if window_scores is not None:
             self.policy.record_votes_device(self.state, batch, window_scores)
         mask, _ = self.policy.select_victims_device(self.state, batch)
-        self._apply(batch, slot_lists, mask, mp)
+        self._apply(batch, mask, mp)
 
-    def _apply(self, batch: DeviceBatch, slot_lists, mask: torch.Tensor, mp: torch.Tensor) -> None:
+    def _apply(self, batch: DeviceBatch, mask: torch.Tensor, mp: torch.Tensor) -> None:
         """Trim to the record, kill in the mirror, update the block counts, write the record (device only)."""
-        ring, nnz = self.ring, batch.nnz_max
-        rec = ring.record
+        ring, rec = self.ring, self.ring.record
         dest = torch.cumsum(mask, 0) - 1
         kept = mask & (dest < ring.victim_capacity)
         counts = torch.zeros(batch.num_reqs + 1, dtype=torch.int32, device=self.device)
@@ -358,27 +359,27 @@ class DecisionLoop:
         ring.counts.zero_()
         ring.counts[: batch.num_reqs] = counts[: batch.num_reqs]
         rec.scatter_(0, torch.where(kept, ring.victims_offset + dest, ring.trash), batch.kv_pos.to(torch.int32))
-        # Kill in the mirror: entries that are not victims write "no change" (padding maps to position 0).
-        self.mirror.kill_on_device(torch.where(batch.valid, mp, 0), kept)
-        # Block live counts, rebuilt from the mirror after the kills (derived state: it cannot drift).
-        # A slot counts while ANY holder keeps it alive: the ledger's rule for shared-prefix blocks.
-        num_slots = self._slot_ids.numel()
-        slots = self.mirror.slots.to(torch.int64)
-        self._refs.zero_()
-        self._refs.index_add_(0, torch.where((self.mirror.alive != 0) & (slots >= 0), slots, num_slots),
-                              torch.ones_like(slots, dtype=torch.int32))
-        counts_now, waste = ops.block_live_counts(self._slot_ids, (self._refs[:num_slots] > 0).to(torch.int8),
-                                                             self.num_blocks, self.block_size)
-        self.block_live[: self.num_blocks] = counts_now
-        self.waste_ratio.copy_(waste)  # in place: a captured graph writes the same tensor
-        # Emptied this step: a block that held a victim (so it was live before) and holds nothing now.
-        vslot = slot_lists.kv_indices[:nnz].to(torch.int64)
-        touched = torch.zeros(self.num_blocks + 1, dtype=torch.bool, device=self.device)
-        touched.index_fill_(0, torch.where(kept, vslot // self.block_size, self.num_blocks), True)
-        emptied = touched[: self.num_blocks] & (self.block_live[: self.num_blocks] == 0)
+        # The kept victims' mirror positions, packed as in the record: the kills, the counts and the
+        # emptied blocks below are work over the record's victim capacity, not over nnz_max or the mirror.
+        cap = ring.victim_capacity
+        packed = torch.full((cap + 1,), -1, dtype=torch.int64, device=self.device)
+        packed.scatter_(0, torch.where(kept, dest, cap), mp)
+        is_victim = packed[:cap] >= 0
+        positions = torch.where(is_victim, packed[:cap], 0)  # a non-victim writes "no change" at position 0
+        # The slot each kill takes from the counts: the mirror's, where the bit is still set (victims
+        # are distinct positions, so each kill counts once).
+        gone = torch.where(is_victim, self.counts.counted_slots(positions), self.counts.num_slots)
+        self.mirror.kill_on_device(positions, is_victim)
+        self.counts.shift(gone, torch.full_like(gone, -1, dtype=torch.int32))
+        # Emptied this step: a block that held a victim (so it was live before) and holds nothing now,
+        # listed once (one of its victims, whichever the scatter keeps, stands for it).
+        block = gone // self.block_size  # the trash slot maps to the trash block
+        entry = torch.arange(cap, device=self.device)
+        self._block_pick.index_copy_(0, block, entry)
+        emptied = (self._block_pick[block] == entry) & (block < self.num_blocks) & (self.block_live[block] == 0)
         bdest = torch.cumsum(emptied, 0) - 1
-        ids = torch.arange(self.num_blocks, dtype=torch.int32, device=self.device)
-        rec.scatter_(0, torch.where(emptied & (bdest < ring.block_capacity), ring.blocks_offset + bdest, ring.trash), ids)
+        rec.scatter_(0, torch.where(emptied & (bdest < ring.block_capacity), ring.blocks_offset + bdest, ring.trash),
+                     block.to(torch.int32))
         nv, ne = kept.sum(), emptied.sum()
         header = torch.stack([nv, mask.sum() - nv, torch.clamp(ne, max=ring.block_capacity),
                               torch.clamp(ne - ring.block_capacity, min=0)])

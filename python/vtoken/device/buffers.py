@@ -130,6 +130,23 @@ class DeltaShipper:
         self._staging = StagingRing(pinned=True, dtype=torch.int64, prealloc=8, capacity=1 << 16) \
             if self.is_gpu else None
         self.bytes_shipped = 0
+        self._watchers: list = []  # weak refs (see add_write_watcher)
+
+    def add_write_watcher(self, watcher) -> None:
+        """Show ``watcher`` the positions each :meth:`flush` writes, before and after it writes them.
+
+        ``watcher.before_mirror_writes(positions)`` / ``watcher.after_mirror_writes(positions)``:
+        ``positions`` int64 on the device, the distinct positions whose slot or
+        alive bit the flush may change. Counts derived from the mirror follow
+        with work over those positions, not a recount of the arena. Held weakly.
+        """
+        self._watchers.append(weakref.ref(watcher))
+
+    def pending_positions(self) -> np.ndarray:
+        """int64, ascending: the distinct positions the next :meth:`flush` writes (slot, alive or a dead range)."""
+        parts = [p for p, _ in self._slot] + [p for p, _ in self._alive]
+        parts += [np.arange(start, start + length) for start, length in self._dead]
+        return np.unique(np.concatenate(parts).astype(np.int64)) if parts else np.zeros(0, np.int64)
 
     def set_slots(self, positions: np.ndarray, values) -> None:
         self._slot.append((positions, np.asarray(values, dtype=np.int32)))
@@ -163,6 +180,10 @@ class DeltaShipper:
         """Apply every pending write to ``slots`` / ``alive``; return the entries shipped."""
         if not self._slot and not self._alive and not self._dead:
             return 0
+        watchers = [w for w in (ref() for ref in self._watchers) if w is not None]
+        touched = self.to_device(self.pending_positions()) if watchers else None
+        for w in watchers:
+            w.before_mirror_writes(touched)
         sp, sv = self._dedupe(self._slot) if self._slot else (np.zeros(0, np.int64), np.zeros(0, np.int32))
         ap, av = self._dedupe(self._alive) if self._alive else (np.zeros(0, np.int64), np.zeros(0, np.int8))
         self._slot, self._alive = [], []
@@ -176,6 +197,8 @@ class DeltaShipper:
         for start, length in self._dead:
             alive[start : start + length].zero_()
         self._dead = []
+        for w in watchers:
+            w.after_mirror_writes(touched)
         self.bytes_shipped += packed.nbytes
         return k1 + k2
 

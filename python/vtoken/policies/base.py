@@ -341,6 +341,12 @@ class EvictionPolicy:
         """float64 [nnz_max]: one priority per packed entry of ``batch``, lowest evicted first (device path)."""
         raise NotImplementedError(f"{type(self).__name__}.device_priority")
 
+    def device_int_priority(self, state, batch):
+        """The priority as ``(key, bits)``, int64 ``key`` in ``[0, 2**bits)`` ordered exactly as
+        :meth:`device_priority` (ties included), so that the selection sorts once; ``(None, 0)``: the
+        packed order (within a request, older first). None: float priorities only (two sorts)."""
+        return None
+
     def device_active(self, batch):
         """bool [>= num_reqs] where the policy may evict this step, or None for every request."""
         return None

@@ -362,8 +362,9 @@ def select_victims(policy, state: DevicePolicyState, batch: DeviceBatch) -> tupl
     evict, and int64 [num_reqs], the victims per request. Protection, the
     excess and the tie-break are the base class's; the policy contributes only
     ``device_priority(state, batch)`` (float64 [nnz_max], lowest evicted first),
-    ``max_victims_per_step`` and ``device_active(batch)``. Launches: a fixed
-    number (two stable sorts), independent of the batch's contents.
+    ``max_victims_per_step``, ``device_active(batch)`` and optionally
+    ``device_int_priority`` (an integer priority: one stable sort instead of
+    two). Launches: a fixed number, independent of the batch's contents.
     """
     if not isinstance(batch, DeviceBatch):
         raise InvalidTypeError(f"batch: expected a DeviceBatch, got {type(batch).__name__}")
@@ -380,11 +381,21 @@ def select_victims(policy, state: DevicePolicyState, batch: DeviceBatch) -> tupl
     active = policy.device_active(batch)
     if active is not None:
         n = torch.where(active[:nreq], n, 0)
-    # NOTE: two stable sorts give the (request, candidate first, priority, packed order) order;
-    # kv_pos increases within a request, so equal priorities keep the older token first.
-    by_priority = torch.sort(order_key(policy.device_priority(state, batch)), stable=True).indices
-    segment = (req * 2 + (~cand).to(torch.int64))[by_priority]
-    order = by_priority[torch.sort(segment, stable=True).indices]
+    # The order is (request, candidate first, priority, packed order); kv_pos increases within a
+    # request, so the packed order keeps the older of equal priorities first.
+    segment = req * 2 + (~cand).to(torch.int64)  # <= 2 * num_reqs + 1 (padding: num_reqs, not a candidate)
+    segment_bits = (2 * nreq + 1).bit_length()
+    as_int = policy.device_int_priority(state, batch)
+    if as_int is not None and segment_bits + as_int[1] <= 63:
+        # NOTE: one stable sort over one int64 key: the segment above the priority's bits.
+        key, bits = as_int
+        order = torch.sort(segment if bits == 0 else (segment << bits) | key, stable=True).indices
+    else:
+        # NOTE: float64 priorities take all 64 bits: a stable sort by priority, then a stable sort by
+        # segment, in the narrowest integer type that holds it (a radix sort's passes follow its width).
+        by_priority = torch.sort(order_key(policy.device_priority(state, batch)), stable=True).indices
+        narrow = torch.int16 if segment_bits < 16 else torch.int32 if segment_bits < 32 else torch.int64
+        order = by_priority[torch.sort(segment[by_priority].to(narrow), stable=True).indices]
     # request r's entries occupy sorted slots [starts[r] - first, ends[r] - first), candidates first
     req_sorted = req[order]
     rank = torch.arange(batch.nnz_max, device=batch.device) - (batch.per_entry(starts, 0)[order] - first)

@@ -46,7 +46,10 @@ class RandomPolicy(EvictionPolicy):
         return lowest(candidates, token_priority(key, candidates).astype(np.float64), n)
 
     def device_priority(self, state, batch):
+        return self.device_int_priority(state, batch)[0].double()
+
+    def device_int_priority(self, state, batch):
         if batch.step is None or batch.request_seed is None:
             raise InvalidArgumentError("batch.step/request_seed: expected per-request tensors for random, got None")
         key = batch.per_entry(request_key(self.seed, batch.step, batch.request_seed), 0)
-        return token_priority(key, batch.pos).double()
+        return token_priority(key, batch.pos), 32  # a 32-bit draw per token

@@ -41,3 +41,6 @@ class StreamingLLM(EvictionPolicy):
 
     def device_priority(self, state, batch):
         return batch.pos.to(float)  # the oldest first
+
+    def device_int_priority(self, state, batch):
+        return None, 0  # the oldest first is the packed order
