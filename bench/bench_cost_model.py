@@ -64,7 +64,8 @@ def model_shape(name: str, c: ModelConfig) -> ModelShape:
 def engine_config(B: int, P: int, O: int, S: int = 16) -> EngineConfig:
     # every prompt in one prefill step; a pool that holds every request whole (native never preempts)
     return EngineConfig(mode="native", num_blocks=B * cdiv(P + O, S) + 1, block_size=S, max_num_reqs=B,
-                        max_num_tokens=max(B * P, P + O), decision="host")
+                        max_num_tokens=max(B * P, P + O), decision="host",
+                        history=None)  # stats_rows compares every step
 
 
 def stats_rows(eng) -> list:

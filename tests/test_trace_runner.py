@@ -21,7 +21,7 @@ import pytest
 from engine_helpers import EAGER_RECLAIM, POLICY_CFG, TINY, prompts as _prompts
 from vtoken.engine.model import LlamaModel, ModelConfig
 from vtoken.engine.runner import RunnerConfig
-from vtoken.engine.scheduler import Engine, EngineConfig
+from vtoken.engine.scheduler import DEFAULT_HISTORY, Engine, EngineConfig
 from vtoken.engine.trace_runner import TraceRunner, trace_engine
 from vtoken.errors import InvalidArgumentError, InvalidTypeError
 from vtoken.experiments.cost_model import H200Roofline, ModelShape
@@ -252,7 +252,7 @@ def test_a_long_lived_engine_with_history_stays_bounded():
 
 
 def test_history_none_keeps_everything_and_the_summary_is_the_same():
-    """The default keeps every step and request (what the experiments' whole-run metrics read); a bounded engine's
+    """history=None keeps every step and request (what the experiments' whole-run metrics read); a bounded engine's
     summary totals equal an unbounded one's over the same run."""
     full, _ = _long_lived(None, 600)
     bounded, _ = _long_lived(16, 600)
@@ -326,3 +326,17 @@ def test_a_long_lived_vtoken_engine_keeps_every_container_bounded():
     grew = {p: (early.get(p, 0), n) for p, n in late.items() if n > 1.1 * early.get(p, 0) + 16}
     assert not grew, grew
     assert len(eng.requests) == len(eng.running) + len(eng.waiting)
+
+
+def test_the_default_engine_is_bounded_and_hands_finished_requests_to_the_caller():
+    """A default EngineConfig keeps DEFAULT_HISTORY entries at most; a finished request leaves Engine.requests and
+    reaches the caller through step()'s return value, output complete."""
+    eng = trace_engine(EngineConfig(mode="native", num_blocks=64, block_size=4, max_num_reqs=4, max_num_tokens=64,
+                                    decision="host"), vocab_size=100)
+    assert eng.config.history == DEFAULT_HISTORY
+    rid = eng.add_request(np.arange(6), 3)
+    record, finished = eng.requests[rid], []
+    while eng.has_work():
+        finished += eng.step()
+    assert finished == [record] and len(record.output) == 3 and rid not in eng.requests
+    assert eng.finished == [record]  # kept in the bounded window

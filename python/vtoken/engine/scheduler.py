@@ -85,6 +85,10 @@ from vtoken.reclamation.manager import MODES, ReclaimConfig, ReclamationManager
 PolicyLike = Union[str, EvictionPolicy, TraceRecorder, ReplayPolicy, None]
 
 
+DEFAULT_HISTORY = 4096
+"""Step stats and finished requests an :class:`Engine` keeps unless told otherwise (as the reclaimer's MetricsLog)."""
+
+
 @dataclass
 class EngineConfig:
     """Engine settings.
@@ -118,14 +122,14 @@ class EngineConfig:
             baseline). A :class:`ReplayPolicy` always decides on the host.
         decision_graph: replay the device decisions from CUDA graphs (CUDA
             models only; off by default until it has run on a GPU).
-        history: ``None`` (default) keeps every step's :class:`StepStats` in
-            ``Engine.stats`` and every finished request in ``Engine.finished``
-            and ``Engine.requests`` (what the experiments' whole-run metrics
-            read). ``N``: a long-lived engine's bound: the last ``N`` step
-            stats and finished requests are kept, a finished request leaves
-            ``Engine.requests`` (``step()`` hands it to the caller), and
+        history: a long-lived engine's bound (default
+            :data:`DEFAULT_HISTORY`): the last ``N`` step stats
+            (``Engine.stats``) and finished requests (``Engine.finished``) are
+            kept, a finished request leaves ``Engine.requests`` (``step()``
+            and ``generate()`` hand it to the caller), and
             :meth:`Engine.summary` reads running totals (its p95 latency over
-            the kept requests).
+            the kept requests). ``None`` keeps every step and finished request:
+            what a bounded run's whole-run metrics read (the experiments opt in).
     """
 
     mode: str = "vtoken"
@@ -143,7 +147,7 @@ class EngineConfig:
     decision: str = "device"
     decision_graph: bool = False
     chunked_prefill: bool = False
-    history: Optional[int] = None
+    history: Optional[int] = DEFAULT_HISTORY
 
     def __post_init__(self):
         # NOTE: every field is checked here, when the config is built, not later in Engine():
@@ -638,7 +642,7 @@ def engine_summary(engine: Engine) -> dict:
     t = engine.totals
     S = engine.config.block_size
     tokens, wall, done = t["generated_tokens"], t["seconds"], t["finished"]
-    lat = sorted(r.latency for r in engine.finished)  # the kept ones (all, unless history is set)
+    lat = sorted(r.latency for r in engine.finished)  # the kept ones (the last `history`; all with None)
     rec = engine.reclaimer.metrics.summary()
     return {
         "mode": engine.mode,

@@ -423,6 +423,8 @@ def paired_run(model, prompts: Sequence, output_len: int, *, modes: Sequence[str
     """
     from vtoken.engine.scheduler import Engine, EngineConfig
 
+    # summarize_mode reads the whole run's step stats and finished requests: keep them all
+    engine_cfg = {"history": None, **engine_cfg}
     order = ["naive"] + [m for m in modes if m != "naive"]
     runs, trace = {}, None
     for mode in order:

@@ -533,6 +533,7 @@ def simulate_engine(cfg: FrontierConfig, mode: str, C: int, model, progress=None
     eng = Engine(model, EngineConfig(
         mode=mode, num_blocks=cfg.num_blocks, block_size=S, max_num_reqs=C,
         max_num_tokens=max(C * P, cfg.kv_tokens), reclaim=cfg.reclaim_config(mode),
+        history=None,  # the point reads every finished request
     ), policy=cfg.make_policy() if mode != "native" else None)
     led = eng.table.ledger
     hook = _PeakHook(led)

@@ -268,7 +268,8 @@ def _point(model, mode: str, cfg: SlaConfig, C: int, tokenizer=None) -> dict:
     ecfg = EngineConfig(mode=mode, num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_num_reqs=C,
                         max_num_tokens=max(C * longest, longest + cfg.output_len),
                         policy=None if mode == "native" else cfg.policy,
-                        policy_config={} if mode == "native" else cfg.chosen_policy_config())
+                        policy_config={} if mode == "native" else cfg.chosen_policy_config(),
+                        history=None)  # the summary's latency percentiles cover every request
     eng = timed_engine_class()(model, ecfg)
     point = serve(eng, prompts, cfg.output_len, C)
     return {**point, **token_times(eng, WallClock.times(eng.marks))}
