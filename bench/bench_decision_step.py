@@ -1,8 +1,9 @@
 """Decision loop: how the device step's work scales with the buffers, the step's entries fixed.
 
 ``DecisionLoop._device_step`` (policy state update, victim selection, kills,
-block counts, record) runs over fixed-shape buffers: the slot lists'
-``nnz_max`` entries, the device mirror's capacity, every KV slot. This
+block counts, record) runs over fixed-shape buffers: the slot lists' entry
+bucket (``[:bucket]``, the smallest rung >= the step's entries; ``nnz_max``
+before buckets), the device mirror's capacity, every KV slot. This
 benchmark keeps one step's work fixed (``--reqs`` requests of ``--ctx`` live
 tokens, each one token over its budget: one victim per request per step) and
 grows the buffers by ``--scales`` (``nnz_max``, the mirror's capacity and the
@@ -13,10 +14,13 @@ Reported per (policy, scale), medians over ``--steps`` decode steps:
 
 * ``elements``: elements the step's aten ops touch, summed over ops (each op
   counts its largest operand; an in-place scatter or gather counts its index,
-  not the tensor it writes or reads: a cost model, not a measurement);
-* ``nnz_max_elements`` / ``mirror_elements`` / ``slot_elements`` / ``block_elements``:
-  the part of it in ops whose largest operand is that buffer's length (the
-  mirror is twice ``nnz_max``, so the classes do not collide);
+  not the tensor it writes or reads; a view (slice, select) touches none: a
+  cost model, not a measurement);
+* ``bucket``: the entries the step ran over (``nnz_max`` where it has no buckets);
+* ``nnz_max_elements`` / ``bucket_elements`` / ``mirror_elements`` / ``slot_elements`` /
+  ``block_elements``: the part of it in ops whose largest operand is that
+  buffer's length (the mirror is twice ``nnz_max``, so those classes do not
+  collide; a bucket equal to ``nnz_max`` counts in both);
 * ``ops``: aten ops dispatched (a launch each on a GPU); ``sorts``: ``aten.sort``
   calls and the elements they sort;
 * ``step_us``: the wall-clock of ``_device_step`` (CPU: the kernels run inline,
@@ -72,7 +76,9 @@ class WorkCount(TorchDispatchMode):
             if isinstance(a, (list, tuple)):
                 tensors += [t for t in a if isinstance(t, torch.Tensor)]
         outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)]
-        if name.split(".")[0].endswith("_") and len(tensors) > 1:
+        if func.is_view:
+            n = 0  # a view touches no element
+        elif name.split(".")[0].endswith("_") and len(tensors) > 1:
             n = max(t.numel() for t in tensors[1:])  # in place: the index / source, not the whole target
         elif name in _GATHERS:
             n = max(o.numel() for o in outs)  # a gather touches its index's elements
@@ -127,7 +133,7 @@ def run(policy_name: str, reqs: int, ctx: int, scale: int, steps: int) -> dict:
     inner = loop._device_step
     seen: dict = {"times": [], "counts": []}
 
-    def timed(*args, **kwargs):  # the step alternates: timed plainly, then counted
+    def timed(*args, **kwargs):  # the step alternates: timed plainly, then counted; args[2]: its bucket
         if len(seen["times"]) <= len(seen["counts"]):
             if on_gpu():
                 torch.cuda.synchronize()
@@ -137,7 +143,9 @@ def run(policy_name: str, reqs: int, ctx: int, scale: int, steps: int) -> dict:
                 torch.cuda.synchronize()
             seen["times"].append(time.perf_counter() - t)
         else:
-            with WorkCount(lengths) as c:
+            bucket = args[2] if len(args) > 2 and isinstance(args[2], int) else w.bufs.nnz_max
+            seen["bucket"] = bucket
+            with WorkCount({"nnz_max": lengths["nnz_max"], "bucket": bucket, **lengths}) as c:
                 inner(*args, **kwargs)
             seen["counts"].append(c)
 
@@ -155,7 +163,7 @@ def run(policy_name: str, reqs: int, ctx: int, scale: int, steps: int) -> dict:
         raise AssertionError(f"applied {applied} victims, expected one per request per step")
     c = seen["counts"][-1]
     return {"policy": policy_name, "scale": scale, "nnz_max": w.bufs.nnz_max, "mirror": w.mirror.slots.numel(),
-            "slots": w.num_blocks * S, "step_entries": int(w.bufs.kv_indptr_host[reqs]),
+            "slots": w.num_blocks * S, "step_entries": int(w.bufs.kv_indptr_host[reqs]), "bucket": seen["bucket"],
             "elements": c.elements, **{f"{k}_elements": v for k, v in c.by_buffer.items()}, "ops": c.ops, "sorts": c.sorts,
             "sorted_elements": c.sorted, "step_us": round(statistics.median(seen["times"][1:]) * 1e6, 1)}
 

@@ -11,7 +11,12 @@ applied at once). Every step both see the same key masses. Checked:
 * the device's per-block live counts equal ``block_live_counts`` recomputed
   from the host ledger's union rule, and every block the device reports
   emptied is free on the host or a kept tail block;
-* ring overflow defers victims (never loses one) and grows the ring.
+* ring overflow defers victims (never loses one) and grows the ring;
+* a step run over an entry bucket (views ``[:bucket]``) equals the same step
+  over the whole ``nnz_max`` buffers bit for bit.
+
+The pairs here use a small first bucket (8), so the steps' entry counts cross
+several buckets, all below ``nnz_max``.
 """
 import numpy as np
 import pytest
@@ -23,7 +28,7 @@ from vtoken.decisions.loop import DecisionLoop
 from vtoken.errors import InvalidArgumentError, InvariantViolation
 from vtoken.bookkeeping.ledger import BlockLedger
 from vtoken.bookkeeping.pool import BlockPool
-from vtoken.device.step_graphs import StepGraphs, padded_batch_sizes
+from vtoken.device.step_graphs import StepGraphs, entry_buckets, padded_batch_sizes
 from vtoken.bookkeeping.table import TokenTable
 
 torch.set_num_threads(1)
@@ -53,14 +58,14 @@ def _masses(rng, n, coarse):
 class Pair:
     """Table A (device loop) and table B (numpy oracle) under one workload."""
 
-    def __init__(self, policy, num_reqs, rng, *, victim_capacity=4096):
+    def __init__(self, policy, num_reqs, rng, *, victim_capacity=4096, min_entry_bucket=8):
         self.policy, self.rng = policy, rng
         self.a = TokenTable(BlockLedger(BlockPool(NB), block_size=S))
         self.b = TokenTable(BlockLedger(BlockPool(NB), block_size=S))
         self.mirror = DeviceMirror(self.a, "cpu", initial_tokens=64, min_slack=4)
         self.bufs = SlotListBuffers(max_reqs=num_reqs, nnz_max=NB * S, max_tokens=4096)
         self.loop = DecisionLoop(policy, self.mirror, num_blocks=NB, block_size=S, max_reqs=num_reqs,
-                                 victim_capacity=victim_capacity)
+                                 victim_capacity=victim_capacity, min_entry_bucket=min_entry_bucket)
         self.accs = {r: policy.make_accumulator() for r in range(num_reqs)}
         for r in range(num_reqs):
             self.a.add_request(r)
@@ -342,16 +347,25 @@ def test_padded_graph_steps_equal_eager_steps(name, cfg, monkeypatch):
     loop = graphed.loop
     captured = []
 
-    def capture(lp, sl, size):
-        captured.append(size)
-        return _ReplayOnCPU(lambda: lp._device_step(sl, size))
+    replayed = set()
 
-    loop._graphs = StepGraphs(5, capture=capture)
+    def capture(lp, sl, size, bucket):
+        captured.append((size, bucket))
+
+        def replay():
+            replayed.add((size, bucket))
+            lp._device_step(sl, size, bucket)
+        return _ReplayOnCPU(replay)
+
+    loop._graphs = StepGraphs(5, capture=capture, min_bucket=8)
     loop.cuda_graph = True
     with pytest.raises(InvalidArgumentError, match="warmup"):
-        loop._graphs.run(loop, graphed.bufs, 3)
+        loop._graphs.run(loop, graphed.bufs, 3, 8)
     loop.warmup(graphed.bufs)
-    assert captured == list(padded_batch_sizes(5)) == [1, 2, 4, 5]
+    pairs = [(size, b) for size in padded_batch_sizes(5) for b in entry_buckets(NB * S, 8)]
+    assert padded_batch_sizes(5) == (1, 2, 4, 5) and entry_buckets(NB * S, 8) == (8, 16, 32, 64, 128, 256, 512,
+                                                                                    1024, 2048)
+    assert captured == pairs
     relayouts = graphed.mirror.relayouts
     for step in range(10):
         order = [int(r) for r in rng_a.permutation(5)][: 3 + step % 3]  # 3..5 requests: sizes (1, 2, 4, 5)
@@ -362,9 +376,64 @@ def test_padded_graph_steps_equal_eager_steps(name, cfg, monkeypatch):
         for r in range(5):
             assert np.array_equal(eager.a.live_ids(r), graphed.a.live_ids(r))
     assert loop._graphs.replays > 0 and graphed.mirror.relayouts > relayouts
-    # Never one size lazily: the warm-up, then whole sets again after the buffers moved.
+    assert len({b for _, b in replayed}) > 1  # the steps' entries crossed buckets
+    # Never one pair lazily: the warm-up, then whole sets again after the buffers moved.
     assert loop._graphs.recaptures > 0
-    assert captured == [1, 2, 4, 5] * (1 + loop._graphs.recaptures)
+    assert captured == pairs * (1 + loop._graphs.recaptures)
+    loop._graphs._graphs.pop((5, 16))
+    with pytest.raises(InvariantViolation, match=r"\(padded batch 5, entry bucket 16\) was not captured"):
+        loop._graphs.run(loop, graphed.bufs, 5, 16)
+
+
+BUCKET_CONFIGS = [CONFIGS[i] for i in (0, 1, 3, 4, 5, 6)]  # every policy once
+
+
+@pytest.mark.parametrize("name,cfg", BUCKET_CONFIGS, ids=[n for n, _ in BUCKET_CONFIGS])
+def test_a_step_over_its_entry_bucket_equals_the_step_over_nnz_max(name, cfg):
+    """One workload twice: steps over views [:bucket] (ladder 8, 16, ...) and over the whole nnz_max (a
+    one-rung ladder). Mask, counts, record, policy state, key masses, mirror and block counts are equal bit
+    for bit, on a step whose entries are exactly a bucket (32) and on steps with padding inside the bucket."""
+    rng_a, rng_b = np.random.default_rng(5), np.random.default_rng(5)
+    bucketed = Pair(P.get(name, **cfg), 3, rng_a)
+    full = Pair(P.get(name, **cfg), 3, rng_b, min_entry_bucket=NB * S)
+    masks = {}
+    for pair in (bucketed, full):
+        inner = pair.loop.policy.select_victims_device
+
+        def spy(state, batch, inner=inner, pair=pair):
+            mask, counts = inner(state, batch)
+            masks[id(pair)] = (batch.nnz_max, mask.clone(), counts.clone())
+            return mask, counts
+        pair.loop.policy.select_victims_device = spy
+    exact = padded = 0
+    for step in range(8):
+        order = [int(r) for r in rng_a.permutation(3)]
+        assert order == [int(r) for r in rng_b.permutation(3)]
+        new = {0: 20, 1: 8, 2: 4} if step == 0 else {r: 1 for r in range(3)}  # the prompts: 32 entries
+        for pair in (bucketed, full):
+            pair.step(order, new, coarse=bool(step % 2))
+        entries = int(bucketed.bufs.kv_indptr_host[3])
+        bucket, mask_b, counts_b = masks[id(bucketed)]
+        nnz, mask_f, counts_f = masks[id(full)]
+        assert bucket == next(b for b in entry_buckets(NB * S, 8) if b >= entries) < nnz == NB * S
+        exact, padded = exact + (entries == bucket), padded + (entries < bucket)
+        assert torch.equal(mask_b, mask_f[:bucket]) and not mask_f[bucket:].any()
+        assert torch.equal(counts_b, counts_f)
+        la, lb = bucketed.loop, full.loop
+        ra, rb = la.ring.peek()[-1], lb.ring.peek()[-1]
+        for field in ("counts", "token_ids", "emptied_blocks"):
+            assert np.array_equal(getattr(ra, field), getattr(rb, field)), field
+        assert (ra.deferred, ra.emptied_overflow) == (rb.deferred, rb.emptied_overflow)
+        cap = la.state.capacity
+        assert cap == lb.state.capacity  # the trash slot past it is scratch: padding writes land there
+        for buf, (a, b) in {k: (v, lb.state._buffers()[k]) for k, v in la.state._buffers().items()}.items():
+            assert torch.equal(a[:cap], b[:cap]), buf
+        if la.token_mass is not None:
+            assert torch.equal(la.token_mass[:cap], lb.token_mass[:cap])
+        assert torch.equal(bucketed.mirror.alive, full.mirror.alive)
+        assert torch.equal(bucketed.mirror.slots, full.mirror.slots)
+        assert torch.equal(la.block_live, lb.block_live) and torch.equal(la.waste_ratio, lb.waste_ratio)
+    assert exact >= 1 and padded >= 1
 
 
 # ------------------------------------------------------------------ bad input at decide / drain

@@ -7,7 +7,13 @@ Per step, after the forward (docs/architecture.md, "decision loop")::
     loop.decide(reqs, slot_lists, seq_lens=..., num_new=...)   # device: no host sync
 
 :meth:`DecisionLoop.decide` runs a fixed number of torch launches, whatever
-the batch holds:
+the batch holds. Its per-entry passes run over views ``[:bucket]`` of the
+slot lists, ``bucket`` the smallest rung of the entry ladder
+(:func:`~vtoken.device.step_graphs.entry_buckets`: powers of two from 1024,
+then ``nnz_max``) that holds the step's entries, read from the host's
+``kv_indptr_host`` (no sync): a step costs O(its entries and victims), not
+O(``nnz_max``), and its shapes (padded batch size, bucket) are few enough to
+capture every pair as a CUDA graph (:mod:`vtoken.device.step_graphs`):
 
 1. the step's per-request arguments (``seq_len``, ``num_new``, budget, step,
    seed) go to the device in one H2D copy;
@@ -50,7 +56,7 @@ from vtoken.policies.base import request_seed
 from vtoken.policies.counter_hash import fold32
 from vtoken.policies.device import DeviceBatch, DevicePolicyState
 from vtoken.decisions.slot_counts import SlotCounts
-from vtoken.device.step_graphs import StepGraphs
+from vtoken.device.step_graphs import MIN_ENTRY_BUCKET, StepGraphs
 from vtoken.decisions.victim_ring import VictimRing
 
 _NO_BUDGET = np.iinfo(np.int64).max  # a request that must not evict this step (e.g. it just finished)
@@ -119,14 +125,15 @@ class DecisionLoop:
             (it grows between steps when a step wanted more).
         block_capacity: emptied blocks one record holds, default ``max(2 * max_reqs, 256)``.
         cuda_graph: replay the device half of :meth:`decide` from CUDA graphs (CUDA only; one graph
-            per padded batch size, every size captured by :meth:`warmup` before the first step, all
-            captured again after a mirror re-layout or a ring growth). Default off: it has not run
-            on a GPU yet.
+            per (padded batch size, entry bucket), every pair captured by :meth:`warmup` before the first
+            step, all captured again after a mirror re-layout or a ring growth). Default off: it has not
+            run on a GPU yet.
+        min_entry_bucket: the entry ladder's first rung (default 1024; tests use small ones).
     """
 
     def __init__(self, policy, mirror, *, num_blocks: int, block_size: int, max_reqs: int, table=None,
                  victim_capacity: Optional[int] = None, block_capacity: Optional[int] = None,
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, min_entry_bucket: int = MIN_ENTRY_BUCKET):
         if not hasattr(policy, "select_victims_device"):
             raise InvalidTypeError(f"policy: expected an EvictionPolicy with a device path, got {type(policy).__name__}")
         self.policy = policy
@@ -146,7 +153,7 @@ class DecisionLoop:
         if cuda_graph and self.device.type != "cuda":
             raise InvalidArgumentError(f"cuda_graph: expected a CUDA mirror for graph capture, got device {self.device}")
         self.cuda_graph = bool(cuda_graph)
-        self._graphs = StepGraphs(max_reqs)
+        self._graphs = StepGraphs(max_reqs, min_bucket=min_entry_bucket)
         self._args = torch.zeros(_NUM_ARGS, max_reqs, dtype=torch.int64, device=self.device)  # fixed per-request args
         cap = mirror.slots.numel()
         self.state = DevicePolicyState.for_policy(policy, cap, self.device)
@@ -182,9 +189,9 @@ class DecisionLoop:
         self.token_mass[size] = 0
 
     def warmup(self, slot_lists) -> None:
-        """Capture the device step of every padded batch size over ``slot_lists`` (graphs on; else nothing).
+        """Capture the device step of every (padded batch size, entry bucket) over ``slot_lists`` (graphs on).
 
-        Call before the first :meth:`decide`. Each size first runs once eagerly
+        Call before the first :meth:`decide`. Each pair first runs once eagerly
         over no entry and zero arguments (the lists' ``kv_indptr`` and the
         argument buffer are zeroed meanwhile, then restored): no victim, no
         state change.
@@ -208,10 +215,15 @@ class DecisionLoop:
         host[5, :n], host[6, :n] = window, defer
         self._args.copy_(self.mirror.deltas.to_device(host.reshape(-1)).view(_NUM_ARGS, -1), non_blocking=True)
 
-    def _batch(self, slot_lists, num_reqs: int) -> DeviceBatch:
+    def entry_bucket(self, slot_lists, num_reqs: int) -> int:
+        """The entries the device step of ``num_reqs`` requests runs over: the bucket of their host count."""
+        return self._graphs.bucket(int(slot_lists.kv_indptr_host[num_reqs]), slot_lists.nnz_max)
+
+    def _batch(self, slot_lists, num_reqs: int, bucket: int) -> DeviceBatch:
+        """The step's batch over the first ``bucket`` entries (views: fixed addresses, for the graphs)."""
         args = self._args
         return DeviceBatch(
-            kv_pos=slot_lists.kv_pos, kv_indptr=slot_lists.kv_indptr, mirror_starts=slot_lists.mirror_starts,
+            kv_pos=slot_lists.kv_pos[:bucket], kv_indptr=slot_lists.kv_indptr, mirror_starts=slot_lists.mirror_starts,
             seq_len=args[0], num_new=args[1], budget=args[2], num_reqs=num_reqs, step=args[3],
             request_seed=args[4], window_step=args[5] != 0,
         )
@@ -221,7 +233,7 @@ class DecisionLoop:
 
         For an attention that returns its key scores per slot-list entry
         rather than adding them in place (``score_out``); padding rows are
-        ignored. No host sync.
+        ignored, and rows past the step's entry bucket are not read. No host sync.
         """
         if self.token_mass is None:
             raise InvalidArgumentError(f"mass: expected none for policy {self.policy.name!r} (it reads no scores), "
@@ -231,9 +243,10 @@ class DecisionLoop:
         if mass.shape[0] < nnz or not mass.dtype.is_floating_point:
             raise InvalidArgumentError(f"mass: expected float [>= {nnz}] (rows as the slot lists), "
                                        f"got {mass.dtype} {tuple(mass.shape)}")
-        batch = self._batch(slot_lists, num_reqs)
+        bucket = self.entry_bucket(slot_lists, num_reqs)
+        batch = self._batch(slot_lists, num_reqs, bucket)
         mp = batch.mirror_pos(self.state.capacity)
-        self.token_mass.index_add_(0, mp, torch.where(batch.valid, mass[:nnz].to(torch.float32), 0.0))
+        self.token_mass.index_add_(0, mp, torch.where(batch.valid, mass[:bucket].to(torch.float32), 0.0))
 
     def decide(self, reqs: Sequence, slot_lists, *, seq_lens, num_new, done=None, defer=None, prompt_done=None,
                window_scores: Optional[torch.Tensor] = None) -> None:
@@ -255,6 +268,7 @@ class DecisionLoop:
         reqs, seq_lens, num_new, done, defer, prompt_done = self._check_step(
             reqs, slot_lists, seq_lens, num_new, done, defer, prompt_done, window_scores)
         n = len(reqs)
+        bucket = self.entry_bucket(slot_lists, n)
         decides, num_new = self.policy.decision_plan(num_new, prompt_done)
         skip = done | ~decides  # finished, or not deciding this step: evicts nothing
         # A one-time decision (SnapKV's window, any at="prefill" compression) has no later step to take
@@ -265,9 +279,9 @@ class DecisionLoop:
         self._stage(n, seq_lens, num_new, reqs, skip, np.full(n, window_scores is not None, dtype=np.int64), defer)
         self.mirror.flush()  # pending host deltas land first (never inside a captured graph)
         if self.cuda_graph and window_scores is None:
-            self._graphs.run(self, slot_lists, n)
+            self._graphs.run(self, slot_lists, n, bucket)
         else:
-            self._device_step(slot_lists, n, window_scores)
+            self._device_step(slot_lists, n, bucket, window_scores)
         meta = StepMeta(self.steps, reqs, self._generations(reqs), seq_lens.copy(), skip | defer)
         self.ring.ship(meta)
         if debug_checks_enabled():
@@ -334,9 +348,13 @@ class DecisionLoop:
             raise InvalidArgumentError(f"seq_lens: expected each request's token count on the host table, got "
                                        f"{int(seq_lens[i])} for {reqs[i]!r}, which holds {int(have[i])}")
 
-    def _device_step(self, slot_lists, num_reqs: int, window_scores=None) -> None:
-        """Everything on the device (fixed shapes, no host read): capturable in a CUDA graph."""
-        batch = self._batch(slot_lists, num_reqs)
+    def _device_step(self, slot_lists, num_reqs: int, bucket: int, window_scores=None) -> None:
+        """Everything on the device over the first ``bucket`` entries (fixed shapes, no host read): capturable.
+
+        ``bucket`` must hold the step's entries (:meth:`entry_bucket`); the
+        entries past them inside it are padding, the ones past it are not read.
+        """
+        batch = self._batch(slot_lists, num_reqs, bucket)
         mp = batch.mirror_pos(self.state.capacity)
         if self.scored:
             mass = self.token_mass[mp]
@@ -345,7 +363,7 @@ class DecisionLoop:
             self.token_mass.index_copy_(0, mp, torch.where(taken, 0.0, mass))
             self.state.update(batch, mass, entries=taken)
         if window_scores is not None:
-            self.policy.record_votes_device(self.state, batch, window_scores)
+            self.policy.record_votes_device(self.state, batch, window_scores[:bucket])
         mask, _ = self.policy.select_victims_device(self.state, batch)
         self._apply(batch, mask, mp)
 

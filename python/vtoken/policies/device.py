@@ -96,7 +96,10 @@ class DeviceBatch:
         step          int64 [>= num_reqs]          optional, Random: the step of the request's decision
         request_seed  int64 [>= num_reqs]          optional, Random: ``fold32(request_seed(request_id))``
         window_step   bool  [>= num_reqs]          optional, SnapKV: True where the window votes this step
-    ``num_reqs`` is a host int (the scheduler's batch size).
+    ``num_reqs`` is a host int (the scheduler's batch size). ``nnz_max`` is
+    ``kv_pos``'s length: the decision loop passes a view ``[:bucket]`` of its
+    slot lists that holds the step's entries, so every per-entry pass is
+    O(bucket), and the results equal those over the whole buffer.
     """
 
     kv_pos: torch.Tensor
