@@ -49,7 +49,7 @@ from vtoken.errors import (
     has_duplicates,
 )
 from vtoken.bookkeeping.journal import EVICT_ORIGINS, DeltaJournal
-from vtoken.bookkeeping.ledger import DST_INFLIGHT, OWNED, SHARED, BlockLedger
+from vtoken.bookkeeping.ledger import OWNED, SHARED, BlockLedger
 from vtoken.bookkeeping.pool import NULL_BLOCK
 from vtoken.bookkeeping.relocation import RelocationTransitions
 from vtoken.bookkeeping.request_rows import RequestRows
