@@ -127,8 +127,8 @@ MAY_IMPORT = {
     "experiments": CORE | {"engine", "checkpoints"},
     "cli": CORE | {"engine", "checkpoints", "experiments"},
 }
-BOOKKEEPING_MODULES = {"pool", "ledger", "arena", "request_rows", "shared_blocks", "relocation", "journal", "table",
-                       "invariants"}
+BOOKKEEPING_MODULES = {"pool", "ledger", "arena", "block_lists", "request_rows", "shared_blocks", "relocation", "journal",
+                       "table", "invariants"}
 
 
 def unit_of(module: str) -> str:

@@ -183,35 +183,76 @@ def test_allocator_drops_hash_only_when_the_last_reference_goes():
     assert a.hashes_dropped == 1
 
 
-# --------------------------------------------------------------------------- surgery
-def test_apply_block_list_rewrites_the_positions_that_differ_from_vllms_list(model_dir):
+# --------------------------------------------------------------------------- one block list per request
+def test_the_table_reads_and_writes_vllms_block_list_and_keeps_none_of_its_own(model_dir):
     from vtoken.errors import InvariantViolation
-    from vtoken.integrations.vllm.surgery import apply_block_list, block_ids
+    from vtoken.integrations.vllm.block_lists import VLLMBlockLists, block_ids
 
     sched, fw = setup(model_dir, "native", n=1, lo=70, hi=70)
     fw.step()
     side = side_of(sched)
-    old = block_ids(side.stm, "r0")
-    assert len(old) == 5
-    spare = side.pool.get_new_blocks(1)[0].block_id
-    new = old.copy()
-    new[1], new[2] = 0, spare
-    assert apply_block_list(side.stm, side.pool, "r0", new).tolist() == [1, 2]
-    assert block_ids(side.stm, "r0").tolist() == new.tolist()
-    assert side.stm.req_to_blocks["r0"][1] is side.pool.null_block
-    assert apply_block_list(side.stm, side.pool, "r0", new).size == 0  # vLLM's list is the other copy: no change left
-    assert apply_block_list(side.stm, side.pool, "r0", new[:3]).size == 0  # positions past the table's are vLLM's
-    with pytest.raises(InvariantViolation, match="has 5 entries, vtoken's 6"):
-        apply_block_list(side.stm, side.pool, "r0", np.concatenate([new, [spare]]))
-    assert block_ids(side.stm, "r0").tolist() == new.tolist()  # refused: unchanged
+    t = side.table
+    assert type(t.lists) is VLLMBlockLists and t.arena.blocks is None  # no block-list array in vtoken
+    vlist = side.stm.req_to_blocks["r0"]
+    assert t.block_list("r0").tolist() == block_ids(side.stm, "r0").tolist() and len(vlist) == 5
+    b1 = vlist[1]
+    t.evict("r0", np.arange(16, 32))  # block 1 dies whole: Naive-Evict releases it
+    assert vlist[1] is side.pool.null_block and b1.ref_cnt == 0  # in vLLM's list at once, and freed
+    assert t.block_list("r0")[1] == 0 and t.held_blocks("r0") == 4
+    spare = side.pool.get_new_blocks(1)[0]
+    t.lists.write(np.array([t.row_of("r0")]), np.array([1]), spare.block_id)  # a table write is vLLM's entry
+    assert vlist[1] is spare and t.block_list("r0")[1] == spare.block_id
+    t.lists.write(np.array([t.row_of("r0")]), np.array([1]), 0)
+    with pytest.raises(InvariantViolation, match="has 5 entries, position 5 used"):
+        t.lists.read(np.array([t.row_of("r0")]), np.array([5]))
+    with pytest.raises(InvariantViolation, match="vLLM lists"):  # a claim checks vLLM's own allocation
+        t.lists.claim(np.array([t.row_of("r0")]), np.array([2]), np.array([spare.block_id]))
+    side.pool.free_blocks([spare])
+    side.check()
 
 
-# --------------------------------------------------------------------------- block surgery in a real scheduler
+def test_preemption_and_finish_leave_exactly_vllms_listed_blocks_to_vllm(model_dir):
+    # A pool too small for every request: vLLM preempts, popping the list before build_meta hears of it.
+    sched, fw = setup(model_dir, "vtoken", n=6, lo=70, hi=90, max_tokens=64, num_blocks=30,
+                      reclaim={**AGGRESSIVE, "headroom_blocks": 2})
+    side = side_of(sched)
+    popped, told, kinds = {}, [], []
+    pop, forget, detached = side.stm.pop_blocks_for_free, side._forget, side.alloc.detached
+
+    def listed(rid):  # the non-null blocks of vLLM's list in the table's positions
+        n = -(-side.table.num_tokens(rid) // BS)
+        return {b.block_id for b in side.stm.req_to_blocks[rid][:n] if not b.is_null}
+
+    def spy_pop(rid):
+        if rid in side.table:  # preempted: vLLM frees it before vtoken is told
+            popped[rid] = listed(rid)
+        return pop(rid)
+
+    def spy_forget(rid):
+        kinds.append("preempted" if rid in popped else "finished")
+        expected = popped.pop(rid) if rid in popped else listed(rid)
+        forget(rid)
+        assert told.pop() == expected, rid
+
+    def spy_detached(ids):
+        told.append({int(i) for i in ids})
+        return detached(ids)
+
+    side.stm.pop_blocks_for_free, side._forget, side.alloc.detached = spy_pop, spy_forget, spy_detached
+    while sched.has_unfinished_requests():
+        fw.step()
+        free_plus_listed, usable = pool_accounts(sched)
+        assert free_plus_listed == usable
+    assert kinds.count("preempted") > 0 and kinds.count("finished") == 6 and not popped
+    assert side.table.requests() == [] and side.pool.get_num_free_blocks() + side.alloc.held == usable
+
+
+# --------------------------------------------------------------------------- vLLM's block lists in a real scheduler
 @pytest.mark.parametrize("mode, policy, cfg", [
     ("naive", "streamingllm", {"budget": 0.5, "window": 8, "sink": 4}),  # whole blocks die: holes
     ("vtoken", "h2o", H2O),  # scattered deaths: relocations
 ])
-def test_block_surgery_keeps_allocate_slots_correct(model_dir, mode, policy, cfg):
+def test_block_list_writes_keep_allocate_slots_correct(model_dir, mode, policy, cfg):
     sched, fw = setup(model_dir, mode, policy=policy, policy_config=cfg, max_tokens=48)
     side = side_of(sched)
     holes = 0

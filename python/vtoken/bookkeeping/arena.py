@@ -6,7 +6,8 @@ per-request) Python work:
 
 - ``slots``  int32 [arena]        4 bytes / token
 - ``bits``   uint8 [arena / 8]    alive bits, 1/8 byte / token
-- ``blocks`` int32 [arena / S]    block lists, 4/S bytes / token
+- ``blocks`` int32 [arena / S]    block lists, 4/S bytes / token (``None`` when
+  an engine keeps the block lists itself: :mod:`vtoken.bookkeeping.block_lists`)
 
 A row owns one segment ``[base, base+cap)`` of the arena (base and cap are
 multiples of lcm(64, S), so its bits start on a byte and its block list on a
@@ -18,8 +19,9 @@ it, and always before it would grow. Segments grow by 1/16 and the arena by
 
 Ownership: the arena owns the geometry (``base``, ``cap``, ``ntok``, the
 arena's end and garbage) and moves segments; the :class:`vtoken.bookkeeping.table.TokenTable`
-owns what the segments hold (it writes ``slots`` / ``bits`` / ``blocks``
-within a row's ``[base, base + ntok)``).
+owns what the segments hold (it writes ``slots`` / ``bits`` within a row's
+``[base, base + ntok)``, and ``blocks`` through
+:class:`vtoken.bookkeeping.block_lists.ArenaBlockLists`).
 """
 from __future__ import annotations
 
@@ -38,13 +40,14 @@ _ROW_ARRAYS = ("base", "cap", "ntok", "in_use")
 class SegmentArena:
     """Per-row segments of slots, alive bits and block lists. See the module docstring."""
 
-    def __init__(self, block_size: int, *, initial_tokens: int = 1 << 16, initial_rows: int = 64):
+    def __init__(self, block_size: int, *, initial_tokens: int = 1 << 16, initial_rows: int = 64,
+                 block_lists: bool = True):
         self.S = int(block_size)
         self.gran = math.lcm(64, self.S)
         cap = self.round(max(initial_tokens, self.gran))
         self.slots = np.full(cap, PAD_SLOT, dtype=np.int32)
         self.bits = np.zeros(cap // 8, dtype=np.uint8)
-        self.blocks = np.zeros(cap // self.S, dtype=np.int32)
+        self.blocks = np.zeros(cap // self.S, dtype=np.int32) if block_lists else None
         self.end = 0  # first arena position no segment uses
         self.garbage = 0  # arena positions held by dead segments
         self.base = np.zeros(initial_rows, dtype=np.int64)
@@ -100,10 +103,9 @@ class SegmentArena:
         raw = np.unpackbits(self.bits[lo : cdiv(g0 + n, 8)], bitorder="little")
         return raw[g0 - lo * 8 : g0 - lo * 8 + n].astype(bool)
 
-    def block_list(self, row: int) -> np.ndarray:
-        """``row``'s block list, a view: ``ceil(ntok / S)`` entries."""
-        b0 = int(self.base[row]) // self.S
-        return self.blocks[b0 : b0 + cdiv(int(self.ntok[row]), self.S)]
+    def num_list_blocks(self, row: int) -> int:
+        """Length of ``row``'s block list: ``ceil(ntok / S)``."""
+        return cdiv(int(self.ntok[row]), self.S)
 
     def growth_blocks(self, steps: int) -> int:
         """Blocks the rows in use would open if each appended ``steps`` more tokens (O(rows)).
@@ -127,7 +129,7 @@ class SegmentArena:
             raise InvalidArgumentError(f"{arg}: expected ids in [0, {n}), got {bad[:8].tolist()}")
 
     def nbytes(self) -> int:
-        arenas = self.slots.nbytes + self.bits.nbytes + self.blocks.nbytes
+        arenas = self.slots.nbytes + self.bits.nbytes + (0 if self.blocks is None else self.blocks.nbytes)
         return arenas + sum(getattr(self, n).nbytes for n in _ROW_ARRAYS)
 
     # ----------------------------------------------------------------- growth
@@ -170,7 +172,8 @@ class SegmentArena:
         new = self.round(max(need, size + size // 32))
         self.slots = np.concatenate([self.slots, np.full(new - size, PAD_SLOT, dtype=np.int32)])
         self.bits = np.concatenate([self.bits, np.zeros((new - size) // 8, dtype=np.uint8)])
-        self.blocks = np.concatenate([self.blocks, np.zeros((new - size) // self.S, dtype=np.int32)])
+        if self.blocks is not None:
+            self.blocks = np.concatenate([self.blocks, np.zeros((new - size) // self.S, dtype=np.int32)])
 
     def _clear(self, lo: int, hi: int) -> None:
         """Reset arena positions [lo, hi); ``hi`` is a multiple of lcm(8, S).
@@ -183,13 +186,15 @@ class SegmentArena:
         if lo % 8:
             self.bits[lo // 8] &= np.uint8((1 << (lo % 8)) - 1)
         self.bits[cdiv(lo, 8) : cdiv(hi, 8)] = 0
-        self.blocks[cdiv(lo, self.S) : cdiv(hi, self.S)] = NULL_BLOCK
+        if self.blocks is not None:
+            self.blocks[cdiv(lo, self.S) : cdiv(hi, self.S)] = NULL_BLOCK
 
     def _copy_segment(self, src: int, dst: int, n: int) -> None:
         self.slots[dst : dst + n] = self.slots[src : src + n]
         self.bits[dst // 8 : dst // 8 + cdiv(n, 8)] = self.bits[src // 8 : src // 8 + cdiv(n, 8)]
-        nb = cdiv(n, self.S)
-        self.blocks[dst // self.S : dst // self.S + nb] = self.blocks[src // self.S : src // self.S + nb]
+        if self.blocks is not None:
+            nb = cdiv(n, self.S)
+            self.blocks[dst // self.S : dst // self.S + nb] = self.blocks[src // self.S : src // self.S + nb]
 
     def _compact(self, last_row: Optional[int] = None) -> None:
         """Slide live segments down over dead ones, in base order; ``last_row`` goes last.
@@ -205,7 +210,7 @@ class SegmentArena:
             rows = rows[rows != last_row]
             base, n = int(self.base[last_row]), int(self.ntok[last_row])
             saved = (self.slots[base : base + n].copy(), self.bits[base // 8 : base // 8 + cdiv(n, 8)].copy(),
-                     self.blocks[base // S : base // S + cdiv(n, S)].copy())
+                     None if self.blocks is None else self.blocks[base // S : base // S + cdiv(n, S)].copy())
         pos = 0
         for row in rows.tolist():
             base, cap, n = int(self.base[row]), int(self.cap[row]), int(self.ntok[row])
@@ -220,7 +225,8 @@ class SegmentArena:
             self._clear(pos, max(pos + cap, self.end))
             self.slots[pos : pos + n] = slots
             self.bits[pos // 8 : pos // 8 + len(bits)] = bits
-            self.blocks[pos // S : pos // S + len(blocks)] = blocks
+            if blocks is not None:
+                self.blocks[pos // S : pos // S + len(blocks)] = blocks
             self.base[last_row] = pos
             pos += cap
         self._clear(pos, self.end)

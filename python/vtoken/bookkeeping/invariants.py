@@ -78,7 +78,7 @@ def check_table(table) -> None:
             raise InvariantViolation(f"request {req!r}: shared-block token at the wrong position")
         np.add.at(recount, blocks[mine], 1)
         private_slots.append(live_slots[mine])
-        blist = arena.block_list(row)
+        blist = table.lists.row(row, arena.num_list_blocks(row))
         held = blist[blist != NULL_BLOCK]
         np.add.at(list_refs, held, 1)
         for p, b in zip(np.nonzero(blist != NULL_BLOCK)[0].tolist(), held.tolist()):

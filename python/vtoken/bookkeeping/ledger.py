@@ -151,6 +151,22 @@ class BlockLedger:
         """Free blocks visible to admission and growth: free minus the reserve."""
         return max(0, self.num_free - self.reserved)
 
+    def blocks_of(self, row: int) -> tuple[np.ndarray, np.ndarray, list]:
+        """``row``'s blocks: (listed private ones in list order, in-flight destinations by id, shared ones
+        in list order). The listed private and shared ones are the non-null entries of its block list. O(blocks)."""
+        own = np.flatnonzero(self._owner == row)
+        inflight = self._state[own] == DST_INFLIGHT
+        listed = own[~inflight]
+        listed = listed[np.argsort(self._pos[listed], kind="stable")]
+        shared = sorted((b for b, h in self._holders.items() if row in h), key=lambda b: int(self._pos[b]))
+        return listed, own[inflight], shared
+
+    def listed_blocks(self, row: int) -> np.ndarray:
+        """The non-null entries of ``row``'s block list, in list order (int64), without reading the list."""
+        listed, _, shared = self.blocks_of(row)
+        both = np.concatenate([listed, np.asarray(shared, dtype=np.int64)])
+        return both[np.argsort(self._pos[both], kind="stable")]
+
     # --- mutations (called by the table) ---------------------------------
     def set_state(self, ids: np.ndarray, new_state: int) -> None:
         """Move allocated blocks ``ids`` to ``new_state`` (counts kept)."""

@@ -10,8 +10,8 @@ fresh blocks. Its block transitions, each validated before anything changes:
 - :meth:`end_relocation` / :meth:`release_destinations` (abort, or leftovers
   after a partial commit).
 
-The transitions own no state: they change the table's arena and ledger
-through the table, and record moves in its journal.
+The transitions own no state: they change the table's arena, block lists and
+ledger through the table, and record moves in its journal.
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class RelocationTransitions:
         # appends (sync_new_tokens writes token t at offset t % S), so they are
         # never free destinations.
         tail_pos = cdiv(n, S) - 1
-        future = (dst_blocks == t.arena.blocks[base // S + tail_pos]) & (dst % S >= n - tail_pos * S)
+        future = (dst_blocks == t.tail_block(req)) & (dst % S >= n - tail_pos * S)
         if future.any():
             raise InvalidArgumentError(
                 f"new_slots: expected empty slots, got tail-block slots reserved for future tokens "
@@ -122,7 +122,7 @@ class RelocationTransitions:
         positions = np.sort(led.pos[emptied])
         ids = emptied.astype(np.int64)
         led.release(ids)
-        t.arena.blocks[base // S + positions] = NULL_BLOCK
+        t.lists.write(np.full(len(positions), row, dtype=np.int64), positions, NULL_BLOCK)
         if len(new_dst):
             # Destinations in logical order of their first token take the first positions.
             k = np.minimum(np.searchsorted(new_dst, dst_blocks), len(new_dst) - 1)
@@ -131,7 +131,7 @@ class RelocationTransitions:
             np.minimum.at(first_use, k[hit], tids[hit])
             new_dst = new_dst[np.argsort(first_use, kind="stable")]
             p = positions[: len(new_dst)]
-            t.arena.blocks[base // S + p] = new_dst
+            t.lists.write(np.full(len(p), row, dtype=np.int64), p, new_dst)
             led.place(new_dst, p)
             led.set_state(new_dst.astype(np.int64), OWNED)
         return ids.astype(np.int32)
@@ -145,7 +145,7 @@ class RelocationTransitions:
         t = self.table
         row = t.row_of(req)
         led = t.ledger
-        blist = t.arena.block_list(row)[:-1]
+        blist = t.lists.row(row, t.arena.num_list_blocks(row))[:-1]
         b = blist[blist != NULL_BLOCK]
         b = b[led.state[b] == OWNED]
         return b.astype(np.int32), led.live[b].astype(np.int32)

@@ -6,12 +6,16 @@ and an alive bit. A dead token keeps the slot it died in; that value is
 history only and is never dereferenced once its block is freed. Each request
 also has a block list (like vLLM's block table): position ``p`` covers logical
 tokens ``[p*S, (p+1)*S)`` at allocation time, and a freed position holds the
-null block, so ``len(block list) == ceil(num_tokens / S)`` always holds.
+null block, so ``len(block list) == ceil(num_tokens / S)`` always holds. The
+table reads and writes the lists through a block-list store (``block_lists``):
+by default its arena's, or the engine's (vLLM's lists), one list per request.
 
 The pieces, one owner each (docs/architecture.md):
 
 - :class:`vtoken.bookkeeping.arena.SegmentArena`: where each request's slots, alive bits
   and block list are stored (numpy arenas, <= 5 bytes per token);
+- a block-list store (:mod:`vtoken.bookkeeping.block_lists`): the block lists the
+  table reads and writes (by default in the arena);
 - this class: request rows, append, evict and the reads;
 - :class:`vtoken.bookkeeping.shared_blocks.SharedBlocks`: shared-prefix holders;
 - :class:`vtoken.bookkeeping.relocation.RelocationTransitions`: a relocation plan's block
@@ -36,6 +40,7 @@ import numpy as np
 
 from vtoken import cdiv
 from vtoken.bookkeeping.arena import SegmentArena
+from vtoken.bookkeeping.block_lists import ArenaBlockLists
 from vtoken.errors import (
     InvalidArgumentError,
     InvalidTypeError,
@@ -44,7 +49,7 @@ from vtoken.errors import (
     has_duplicates,
 )
 from vtoken.bookkeeping.journal import EVICT_ORIGINS, DeltaJournal
-from vtoken.bookkeeping.ledger import DST_INFLIGHT, OWNED, SHARED, BlockLedger
+from vtoken.bookkeeping.ledger import OWNED, SHARED, BlockLedger
 from vtoken.bookkeeping.pool import NULL_BLOCK
 from vtoken.bookkeeping.relocation import RelocationTransitions
 from vtoken.bookkeeping.request_rows import RequestRows
@@ -75,13 +80,14 @@ class TokenTable:
         37
     """
 
-    def __init__(self, ledger: BlockLedger, *, initial_tokens: int = 1 << 16):
+    def __init__(self, ledger: BlockLedger, *, initial_tokens: int = 1 << 16, block_lists=None):
         if not isinstance(ledger, BlockLedger):
             raise InvalidTypeError(f"ledger: expected a BlockLedger, got {type(ledger).__name__}")
         self.ledger = ledger
         self.S = ledger.block_size
         nrows = 64
-        self.arena = SegmentArena(self.S, initial_tokens=initial_tokens, initial_rows=nrows)
+        self.arena = SegmentArena(self.S, initial_tokens=initial_tokens, initial_rows=nrows, block_lists=block_lists is None)
+        self.lists = ArenaBlockLists(self.arena) if block_lists is None else block_lists
         self.shared = SharedBlocks(self.arena, ledger)
         self.relocation = RelocationTransitions(self)
         self.journal = DeltaJournal()
@@ -129,6 +135,7 @@ class TokenTable:
         self._nlive[row] = 0
         n = len(prefix) * S
         self.arena.open(row, n)
+        self.lists.open(row, req)
         self.journal.emit("add", row, req)
         if n:
             arena = self.arena
@@ -138,7 +145,7 @@ class TokenTable:
             arena.bits[base // 8 : base // 8 + n // 8] = 0xFF
             if n % 8:
                 arena.bits[base // 8 + n // 8] = (1 << (n % 8)) - 1
-            arena.blocks[base // S : base // S + len(prefix)] = prefix
+            self.lists.claim(np.full(len(prefix), row, dtype=np.int64), np.arange(len(prefix)), prefix)
             arena.set_lengths(row, n)
             self._nlive[row] = n
             self.shared.attach(row, prefix)
@@ -199,16 +206,17 @@ class TokenTable:
             ids = led.allocate(total_new_blocks, blk_rows, first)
             assert ids is not None  # admission_free was checked above
             self.shared.moved_into[ids] = False
-            self.arena.blocks[self.arena.base[blk_rows] // S + first] = ids
+            self.lists.claim(blk_rows, first, ids)
         if one_each:
             tids = old_n
             g = base + tids
+            blocks = self.lists.read(rows, tids // S)
         else:  # flat (row, token id) pairs for every new token
             tok_rows = np.repeat(np.arange(len(rows)), counts)
             starts = np.cumsum(counts) - counts
             tids = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts) + np.repeat(old_n, counts)
             g = base[tok_rows] + tids
-        blocks = self.arena.blocks[g // S]
+            blocks = self.lists.read(rows[tok_rows], tids // S)
         slots = blocks * S + (tids % S).astype(np.int32)
         self.arena.slots[g] = slots
         if one_each:  # NOTE: segments are 64-token aligned, so one token per row never shares a byte
@@ -223,7 +231,7 @@ class TokenTable:
         was_full = opens & (old_n > 0) & (old_n % S == 0)
         if was_full.any():
             r = rows[was_full]
-            prev = self.arena.blocks[self.arena.base[r] // S + cdiv(old_n[was_full], S) - 1]
+            prev = self.lists.read(r, cdiv(old_n[was_full], S) - 1)
             self._release_if_empty(r, prev)
         return slots
 
@@ -353,11 +361,11 @@ class TokenTable:
         # Shared pairs are rare (prefix blocks): per pair, with the holder's own alive bits.
         for row, b in zip(rows[shared].tolist(), blocks[shared].tolist()):
             if self.shared.holder_keeps_nothing(row, b):
-                self.arena.blocks[int(self.arena.base[row]) // S + int(led.pos[b])] = NULL_BLOCK
+                self.lists.write(np.array([row]), np.array([int(led.pos[b])]), NULL_BLOCK)
                 self._drop_shared(row, b)
         if private.any():
             ids = blocks[private]
-            self.arena.blocks[self.arena.base[rows[private]] // S + led.pos[ids]] = NULL_BLOCK
+            self.lists.write(rows[private], led.pos[ids], NULL_BLOCK)
             led.release(ids)
 
     def _drop_shared(self, row: int, block: int) -> None:
@@ -369,7 +377,7 @@ class TokenTable:
     def tail_block_ids(self) -> np.ndarray:
         """The tail block of every registered request that has one (int64)."""
         rows = np.flatnonzero(self.arena.in_use & (self.arena.ntok > 0))
-        tails = self.arena.blocks[self.arena.base[rows] // self.S + self.arena.tail_pos(rows)]
+        tails = self.lists.read(rows, self.arena.tail_pos(rows))
         return tails[tails != NULL_BLOCK].astype(np.int64)
 
     def is_alive(self, req, token_ids) -> np.ndarray:
@@ -384,15 +392,13 @@ class TokenTable:
         """Drop ``req``: free every block it owns, unreference shared ones. Returns the freed ids."""
         row = self.row_of(req)
         led = self.ledger
-        blist = self.arena.block_list(row)
-        held = blist[blist != NULL_BLOCK].astype(np.int64)
-        private = held[led.state[held] != SHARED]
-        if led.count(DST_INFLIGHT):
-            inflight = np.nonzero((led.state == DST_INFLIGHT) & (led.owner == row))[0]
-            private = np.concatenate([private, inflight])
-        for b in held[led.state[held] == SHARED].tolist():
+        # NOTE: from the ledger: vLLM drops a preempted request's list before the table hears of it.
+        listed, inflight, shared = led.blocks_of(row)
+        private = np.concatenate([listed, inflight])
+        for b in shared:
             self._drop_shared(row, b)
         led.release(private)
+        self.lists.close(row)
         self.arena.close(row)
         self._nlive[row] = 0
         self.journal.emit("finish", row)
@@ -429,15 +435,16 @@ class TokenTable:
 
     def block_list(self, req) -> np.ndarray:
         """The request's block list (null block at released positions), a copy."""
-        return self.arena.block_list(self.row_of(req)).copy()
+        row = self.row_of(req)
+        return np.array(self.lists.row(row, self.arena.num_list_blocks(row)), dtype=np.int32)
 
     def held_blocks(self, req) -> int:
         """Blocks the request still references (private and shared)."""
-        return int(np.count_nonzero(self.arena.block_list(self.row_of(req))))
+        return int(np.count_nonzero(self.block_list(req)))
 
     def tail_block(self, req) -> int:
-        blist = self.arena.block_list(self.row_of(req))
-        return int(blist[-1]) if len(blist) else NULL_BLOCK
+        rows = np.array([self.row_of(req)])
+        return int(self.lists.read(rows, self.arena.tail_pos(rows))[0]) if self.arena.ntok[rows[0]] else NULL_BLOCK
 
     def nbytes(self) -> int:
         """Bytes of table metadata: the arenas (slack included) plus per-request rows."""

@@ -1,7 +1,10 @@
-"""The scheduler side of the vtoken connector: mirror, reclamation, block surgery, the workers' decisions.
+"""The scheduler side of the vtoken connector: mirror, reclamation, the workers' decisions.
 
 One :class:`SchedulerSide` lives in vLLM's engine-core process next to the
-``KVCacheManager``. Per step (vLLM calls in this order):
+``KVCacheManager``. Its token table keeps no block lists of its own: it reads
+and writes vLLM's (``req_to_blocks``, through
+:class:`vtoken.integrations.vllm.block_lists.VLLMBlockLists`). Per step (vLLM
+calls in this order):
 
 1. ``schedule()`` allocates blocks; :meth:`SchedulerSide.note_admission`
    records the tokens of each request admitted (``update_state_after_alloc``).
@@ -20,14 +23,13 @@ One :class:`SchedulerSide` lives in vLLM's engine-core process next to the
 4. :meth:`SchedulerSide.request_finished` (before vLLM frees a finished
    request's blocks) and :meth:`SchedulerSide.update_output` (after it): the
    table evicts the reported victims, a step or more after the decision
-   (Naive-Evict releases fully dead blocks at once, and the surgery nulls
-   them in vLLM); then the step's plans are committed if every worker
-   reports their copy done (the table switches to the destinations, the
-   sources go back to vLLM's pool, the table's block-list changes are copied
-   into vLLM's lists: freed positions become the null block, destinations
-   take the first source positions, and the destinations' hashes are
-   dropped), else rolled back (the destinations go back, nothing else
-   changed). Nothing here depends on which step's output arrives when, so
+   (Naive-Evict releases fully dead blocks at once: their positions in
+   vLLM's list become the null block); then the step's plans are committed
+   if every worker reports their copy done (the table switches to the
+   destinations, the sources go back to vLLM's pool, their positions in
+   vLLM's list become the null block, destinations take the first source
+   positions, and the destinations' hashes are dropped), else rolled back
+   (the destinations go back, nothing else changed). Nothing here depends on which step's output arrives when, so
    vLLM's async scheduler (step N+1 scheduled before step N's output) is
    handled like the synchronous one.
 
@@ -46,7 +48,7 @@ from vtoken.errors import InvalidArgumentError, InvariantViolation
 from vtoken.integrations.vllm.allocator import VLLMBlockAllocator, drop_hashes
 from vtoken.integrations.vllm.config import VLLM_HEADROOM_SHARE, VTokenVLLMConfig
 from vtoken.integrations.vllm.meta import VTokenConnectorMetadata
-from vtoken.integrations.vllm.surgery import apply_block_list, block_ids
+from vtoken.integrations.vllm.block_lists import VLLMBlockLists, block_ids
 from vtoken.bookkeeping.ledger import OWNED, SHARED, BlockLedger
 from vtoken.bookkeeping.pool import NULL_BLOCK
 from vtoken.bookkeeping.table import TokenTable
@@ -116,7 +118,7 @@ class SchedulerSide:
         _, headroom = self.reclaim_config.resolve(usable)
         self.alloc = VLLMBlockAllocator(self.pool, headroom=headroom if self.config.mode == "vtoken" else 0)
         self.ledger = BlockLedger(self.alloc, self.S)
-        self.table = TokenTable(self.ledger)
+        self.table = TokenTable(self.ledger, block_lists=VLLMBlockLists(self.stm, self.pool))
         self.manager = ReclamationManager(self.table, self.reclaim_config)
         self._reader = self.table.journal.subscribe()  # what the workers learn each step
         self._sync_reserve()
@@ -164,8 +166,8 @@ class SchedulerSide:
         t0 = time.perf_counter()
         for rid in sorted(so.preempted_req_ids or ()):
             if rid in self.table:
-                # vLLM freed every block of the request already (_preempt_request).
-                self._forget(rid, vllm_frees=set(self.table.block_list(rid).tolist()))
+                # vLLM freed every block of the request already (_preempt_request), its list with them.
+                self._forget(rid)
         computed = {d.req_id: d.num_computed_tokens for d in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         for rid, c in zip(cached.req_ids, cached.num_computed_tokens):
@@ -293,7 +295,6 @@ class SchedulerSide:
                 self.stats["reclaimed_blocks"] += int(len(freed))
                 for p in plans:
                     if p.request in self.table:
-                        self._sync(p.request)
                         # A destination's bytes (a fill block's holes too) no longer match any prefix: no hash.
                         dst = np.concatenate([p.dst_blocks, p.fill_blocks])
                         self.stats["hashes_dropped"] += drop_hashes(self.pool, dst.tolist())
@@ -304,10 +305,6 @@ class SchedulerSide:
                                "failed on a worker" if step in copies else "was not reported", len(plans))
         self.alloc.top_up()
         self._sync_reserve()
-
-    def _sync(self, rid) -> None:
-        """Copy the table's block-list changes of ``rid`` into vLLM's list (the diff of the two lists)."""
-        apply_block_list(self.stm, self.pool, rid, self.table.block_list(rid))
 
     def _sample_usage(self) -> None:
         in_use = int(self.pool.num_gpu_blocks) - 1 - int(self.pool.get_num_free_blocks())
@@ -364,7 +361,6 @@ class SchedulerSide:
                 self.stats["naive_released_blocks"] += held - self.table.held_blocks(rid)
                 self.stats["evicted_tokens"] += int(victims.size)
                 self.stats["decisions_applied"] += 1
-                self._sync(rid)
             self._decided_through = dec.step
             self._recent_decisions[dec.step] = dec
             if len(self._recent_decisions) > 64:  # a late rank reports within a few steps
@@ -379,17 +375,18 @@ class SchedulerSide:
     def request_finished(self, rid) -> None:
         """vLLM is about to free the request's blocks: drop it from the table without freeing them."""
         if rid in self.table:
-            # NOTE: the table's list, not vLLM's: a request preempted (vLLM freed its
-            # blocks) and aborted before the next build_meta has no vLLM list left.
-            # Both lists are equal whenever vLLM still has one (checked in debug).
-            mine = self.table.block_list(rid)
-            if self.config.checking and rid in self.stm.req_to_blocks:
-                theirs = block_ids(self.stm, rid)[: len(mine)]
-                if not np.array_equal(mine, theirs):
-                    raise InvariantViolation(f"surgery: vLLM's block list of {rid!r} differs from vtoken's at finish")
-            self._forget(rid, vllm_frees=set(mine.tolist()))
+            self._forget(rid)
 
-    def _forget(self, rid, *, vllm_frees: set) -> None:
+    def _forget(self, rid) -> None:
+        """Drop ``rid`` from the table; vLLM frees (or freed) the blocks its list holds, not vtoken.
+
+        NOTE: which blocks those are comes from the ledger, not from vLLM's list:
+        a preempted request's list is gone before build_meta hears of it, and so
+        is that of one preempted and aborted before the next build_meta.
+        """
+        row = self.table.row_of(rid)
+        vllm_frees = set(self.ledger.listed_blocks(row).tolist())
+        self.table.lists.release(row)  # a plan rolled back as it leaves must not null vLLM's entries
         with self.alloc.detached(vllm_frees):
             self.manager.finish_request(rid)
         self._reqs.pop(rid, None)
@@ -404,23 +401,16 @@ class SchedulerSide:
 
     # ---------------------------------------------------------------- checks
     def check(self) -> None:
-        """Table/ledger invariants, and vLLM's block lists equal vtoken's (O(blocks))."""
-        self.table.check_invariants()
+        """Table/ledger invariants over vLLM's block lists; no listed block is free (O(blocks))."""
+        self.table.check_invariants()  # every listed block recorded by the ledger at its position, once per holder
         for rid, st in self._reqs.items():
             if rid not in self.table:
                 continue
-            tl = self.table.block_list(rid)
-            vl = block_ids(self.stm, rid)[: len(tl)]
-            if not np.array_equal(tl, vl):
-                bad = np.flatnonzero(tl != vl)[:8]
-                raise InvariantViolation(
-                    f"surgery: vLLM's block list of {rid!r} differs from vtoken's at positions {bad.tolist()} "
-                    f"(vLLM {vl[bad].tolist()}, vtoken {tl[bad].tolist()})"
-                )
+            tl = self.table.block_list(rid)  # vLLM's list, the table's part of it
             live = tl[tl != NULL_BLOCK]
             refs = self.alloc.ref_count(live) if live.size else np.zeros(0)
             if (refs < 1).any():
-                raise InvariantViolation(f"surgery: request {rid!r} lists freed blocks {live[refs < 1][:8].tolist()}")
+                raise InvariantViolation(f"block lists: request {rid!r} lists freed blocks {live[refs < 1][:8].tolist()}")
             if st.hashing_frozen and self._hashing_stops_after_prompts:
                 hashed = [b.block_id for b in self.stm.req_to_blocks.get(rid, ())[st.prompt_tokens // self.S:]
                           if not b.is_null and b.block_hash is not None]
