@@ -23,6 +23,10 @@ S = 8
 class EngineLists:
     """An engine's own block lists (request -> list of ids), lent to the table."""
 
+    # like vLLM's: the table finishes a request from the ledger, so the freed ids below compare the ledger's
+    # path with the arena store's list path
+    readable_at_finish = False
+
     def __init__(self):
         self.lists, self.req_of = {}, {}
 

@@ -17,7 +17,10 @@ A store's operations (``rows``, ``pos``: int arrays of equal length):
 - ``claim(rows, pos, ids)``: blocks the table just allocated take new
   positions (appends, prefix blocks);
 - ``row(row, n)``: the first ``n`` positions of a row's list (int32; a
-  read-only use: it may be a view).
+  read-only use: it may be a view);
+- ``readable_at_finish``: the row's list can still be read when the table
+  finishes the request (the table then frees from it, in O(its blocks); else
+  it asks the ledger, in O(blocks)).
 
 :class:`ArenaBlockLists`, the embedded engine's store, keeps the lists in the
 :class:`vtoken.bookkeeping.arena.SegmentArena`'s ``blocks`` array, beside the
@@ -28,7 +31,24 @@ from __future__ import annotations
 import numpy as np
 
 from vtoken.bookkeeping.arena import SegmentArena
+from vtoken.bookkeeping.ledger import SHARED, BlockLedger
+from vtoken.bookkeeping.pool import NULL_BLOCK
 from vtoken.errors import InvalidArgumentError
+
+
+def leaving_blocks(store, ledger: BlockLedger, row: int, n: int) -> tuple:
+    """A finishing row's blocks: (listed private ids in list order, in-flight destinations, shared ids in list order).
+
+    From the row's ``n``-position list, O(its blocks), when ``store`` can still
+    read it; else from the ledger, O(blocks) (vLLM drops a preempted request's
+    list before the table hears of it). Both give the same ids in the same order.
+    """
+    if not store.readable_at_finish:
+        return ledger.blocks_of(row)
+    blist = store.row(row, n)
+    held = blist[blist != NULL_BLOCK].astype(np.int64)
+    is_shared = ledger.state[held] == SHARED
+    return held[~is_shared], ledger.inflight_destinations_of(row), held[is_shared].tolist()
 
 
 class ArenaBlockLists:
@@ -39,6 +59,8 @@ class ArenaBlockLists:
             raise InvalidArgumentError("arena: expected an arena that stores block lists (block_lists=True)")
         self.arena = arena
         self.S = arena.S
+
+    readable_at_finish = True
 
     def open(self, row: int, req) -> None:
         return  # the arena opened the row's segment, lists included

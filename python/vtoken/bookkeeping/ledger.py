@@ -161,6 +161,12 @@ class BlockLedger:
         shared = sorted((b for b, h in self._holders.items() if row in h), key=lambda b: int(self._pos[b]))
         return listed, own[inflight], shared
 
+    def inflight_destinations_of(self, row: int) -> np.ndarray:
+        """``row``'s in-flight relocation destinations by id (int64; O(blocks) only while any is in flight)."""
+        if not self._count[DST_INFLIGHT]:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero((self._state == DST_INFLIGHT) & (self._owner == row))
+
     def listed_blocks(self, row: int) -> np.ndarray:
         """The non-null entries of ``row``'s block list, in list order (int64), without reading the list."""
         listed, _, shared = self.blocks_of(row)

@@ -40,7 +40,7 @@ import numpy as np
 
 from vtoken import cdiv
 from vtoken.bookkeeping.arena import SegmentArena
-from vtoken.bookkeeping.block_lists import ArenaBlockLists
+from vtoken.bookkeeping.block_lists import ArenaBlockLists, leaving_blocks
 from vtoken.errors import (
     InvalidArgumentError,
     InvalidTypeError,
@@ -387,13 +387,11 @@ class TokenTable:
         self.arena.check_token_ids(row, tids)
         return self.arena.alive(int(self.arena.base[row]) + tids)
 
-
     def finish(self, req) -> np.ndarray:
         """Drop ``req``: free every block it owns, unreference shared ones. Returns the freed ids."""
         row = self.row_of(req)
         led = self.ledger
-        # NOTE: from the ledger: vLLM drops a preempted request's list before the table hears of it.
-        listed, inflight, shared = led.blocks_of(row)
+        listed, inflight, shared = leaving_blocks(self.lists, led, row, self.arena.num_list_blocks(row))
         private = np.concatenate([listed, inflight])
         for b in shared:
             self._drop_shared(row, b)

@@ -38,6 +38,9 @@ class VLLMBlockLists:
     ``KVCacheBlock`` objects (the null block to ``block_pool.null_block``).
     """
 
+    # NOTE: vLLM pops a preempted request's list before the connector hears of it.
+    readable_at_finish = False
+
     def __init__(self, manager, block_pool):
         self.manager = manager
         self.pool = block_pool
