@@ -1078,3 +1078,51 @@ def test_integrations_vllm_keeps_no_process_global_state():
             if isinstance(node, ast.Global):
                 bad += [(path.name, [n], "global") for n in node.names if (path.name, n) not in rebinding_allowed]
     assert bad == []
+
+
+# --------------------------------------------------------------------------- vLLM's prefix-cache reset
+def test_reset_prefix_cache_succeeds_with_vtokens_stash(model_dir):
+    """vLLM resets its prefix cache only with no block in use: vtoken hands its stash back for the reset and takes
+    it again after (every reset failed before: the stash's blocks counted as in use)."""
+    sched, fw = setup(model_dir, "vtoken", policy="h2o", policy_config=H2O, reclaim=AGGRESSIVE)
+    side = side_of(sched)
+    fw.run()
+    held = side.alloc.held
+    assert held > 0  # the stash is there when the reset comes
+    assert sched.reset_prefix_cache()
+    assert side.alloc.held == held and side.ledger.reserved == held
+    free_plus_listed, usable = pool_accounts(sched)
+    assert free_plus_listed == usable
+
+
+@pytest.mark.parametrize("mode, async_scheduling", [("vtoken", False), ("naive", True)])
+def test_reset_running_requests_mid_run_preempts_and_the_run_completes(model_dir, mode, async_scheduling):
+    """reset_prefix_cache(reset_running_requests=True) between two steps preempts every running request (their
+    lists are gone before build_meta hears of it). Synchronous: the reset succeeds. Async: a step is in flight, so
+    vLLM defers the preempted blocks' free and its reset raises, after preempting; the step's output, carrying
+    the workers' decisions for those requests, arrives next: the decisions are stale, not applied to a list vLLM
+    no longer has (that raised InvariantViolation before). Either way every request completes and the pool
+    balances."""
+    sched, fw = setup(model_dir, mode, policy="h2o", policy_config=H2O, reclaim=AGGRESSIVE,
+                      async_scheduling=async_scheduling, max_tokens=32)
+    side = side_of(sched)
+    for _ in range(200):
+        fw.step()
+        running = [r for r in side.table.requests() if side.table.num_tokens(r) > 0]
+        if side.stats["decisions_applied"] and running and (not async_scheduling or fw.in_flight):
+            break
+    assert running
+    stale = side.stats["stale_decisions"]
+    if async_scheduling:
+        with pytest.raises(RuntimeError, match="Failed to reset KV cache"):
+            sched.reset_prefix_cache(reset_running_requests=True)
+        assert all(r not in side.stm.req_to_blocks for r in running)
+        sched.update_from_output(*fw.in_flight.pop(0))
+        assert side.stats["stale_decisions"] > stale
+    else:
+        assert sched.reset_prefix_cache(reset_running_requests=True)
+        assert all(r not in side.stm.req_to_blocks for r in running)
+    fw.run()
+    assert side.table.requests() == [] and not sched.has_unfinished_requests()
+    free_plus_listed, usable = pool_accounts(sched)
+    assert free_plus_listed == usable

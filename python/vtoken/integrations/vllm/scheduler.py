@@ -122,7 +122,27 @@ class SchedulerSide:
         self.manager = ReclamationManager(self.table, self.reclaim_config)
         self._reader = self.table.journal.subscribe()  # what the workers learn each step
         self._sync_reserve()
+        self._vllm_reset_prefix_cache = kv_cache_manager.reset_prefix_cache
+        kv_cache_manager.reset_prefix_cache = self._reset_prefix_cache
         self.bound = True
+
+    def _reset_prefix_cache(self) -> bool:
+        """vLLM's ``KVCacheManager.reset_prefix_cache`` with vtoken's stash handed back first, taken again after.
+
+        NOTE: vLLM resets its prefix cache (after an RLHF weight update,
+        ``POST /reset_prefix_cache``) only when no block but the null block is
+        in use, and the stash holds blocks out of its free queue: without this
+        every reset failed (and ``reset_running_requests=True`` raised).
+        Relocation destinations in flight (async scheduling) stay in use, so a
+        reset then fails as it does for vLLM's own in-use blocks.
+        """
+        self.alloc.release_stash()
+        self._sync_reserve()
+        try:
+            return self._vllm_reset_prefix_cache()
+        finally:
+            self.alloc.top_up()
+            self._sync_reserve()
 
     def _sync_reserve(self) -> None:
         # NOTE: the ledger's reserve must equal the blocks physically stashed:
@@ -340,6 +360,11 @@ class SchedulerSide:
     def update_output(self, worker_meta) -> None:
         """Evict the victims the workers decided (and have reported), once each, in step order; settle the copies."""
         t0 = time.perf_counter()
+        # NOTE: vLLM's reset_prefix_cache(reset_running_requests=True) preempts between steps, outside
+        # schedule(): those lists are gone before build_meta hears of it, and their decisions may be in
+        # this output. Forget them now: the decisions are then stale, not written to a missing list.
+        for rid in [r for r in self._reqs if r in self.table and r not in self.stm.req_to_blocks]:
+            self._forget(rid)
         decisions = getattr(worker_meta, "decisions", None) or ()
         if decisions:
             self.stats["worker_meta_bytes"] += worker_meta.nbytes
