@@ -33,7 +33,8 @@ def block_ids(manager, req_id) -> np.ndarray:
 class VLLMBlockLists:
     """The block-list store over a ``SingleTypeKVCacheManager``'s ``req_to_blocks`` and its ``BlockPool``.
 
-    The table's row ``r`` is request ``req_of[r]``; its list is
+    The table's row ``r`` is request ``request_of(r)`` (the table's own
+    row map, :class:`~vtoken.bookkeeping.request_rows.RequestRows`); its list is
     ``manager.req_to_blocks[req]``, block ids translated to vLLM's
     ``KVCacheBlock`` objects (the null block to ``block_pool.null_block``).
     """
@@ -41,17 +42,16 @@ class VLLMBlockLists:
     # NOTE: vLLM pops a preempted request's list before the connector hears of it.
     readable_at_finish = False
 
-    def __init__(self, manager, block_pool):
+    def __init__(self, manager, block_pool, request_of):
         self.manager = manager
         self.pool = block_pool
-        self.req_of: dict = {}  # table row -> vLLM request id (the key of its list)
+        self.request_of = request_of  # table row -> vLLM request id (the key of its list)
         self.released: set = set()  # rows whose list vLLM frees (or freed) itself
 
     def open(self, row: int, req) -> None:
-        self.req_of[int(row)] = req
+        return  # vLLM made the list when it allocated the request's blocks
 
     def close(self, row: int) -> None:
-        self.req_of.pop(int(row), None)
         self.released.discard(int(row))
 
     def release(self, row: int) -> None:
@@ -60,7 +60,7 @@ class VLLMBlockLists:
 
     def _list(self, row: int, need: int) -> list:
         """Row ``row``'s vLLM list, which must have more than ``need`` entries."""
-        req = self.req_of[row]
+        req = self.request_of(row)
         blocks = self.manager.req_to_blocks.get(req)
         if blocks is None or len(blocks) <= need:
             raise InvariantViolation(
@@ -91,7 +91,7 @@ class VLLMBlockLists:
                 # NOTE: a released row's block is in the list vLLM frees, and the allocator
                 # skips vtoken's free of it (detached): nulling it here would leak it.
                 if b != NULL_BLOCK:
-                    raise InvariantViolation(f"block lists: block {b} placed in the released list of {self.req_of[r]!r}")
+                    raise InvariantViolation(f"block lists: block {b} placed in the released list of {self.request_of(r)!r}")
                 continue
             self._list(r, p)[p] = null if b == NULL_BLOCK else pool[b]
 
@@ -102,7 +102,7 @@ class VLLMBlockLists:
             got = self._list(r, p)[p].block_id
             if got != b:
                 raise InvariantViolation(
-                    f"mirror: the table placed block {b} at position {p} of {self.req_of[r]!r}, vLLM lists {got}"
+                    f"mirror: the table placed block {b} at position {p} of {self.request_of(r)!r}, vLLM lists {got}"
                 )
 
     def row(self, row: int, n: int) -> np.ndarray:

@@ -118,7 +118,9 @@ class SchedulerSide:
         _, headroom = self.reclaim_config.resolve(usable)
         self.alloc = VLLMBlockAllocator(self.pool, headroom=headroom if self.config.mode == "vtoken" else 0)
         self.ledger = BlockLedger(self.alloc, self.S)
-        self.table = TokenTable(self.ledger, block_lists=VLLMBlockLists(self.stm, self.pool))
+        # vLLM's lists are the table's: one list per request (the table's rows name the requests)
+        lists = VLLMBlockLists(self.stm, self.pool, request_of=lambda row: self.table.registry.request_of(row))
+        self.table = TokenTable(self.ledger, block_lists=lists)
         self.manager = ReclamationManager(self.table, self.reclaim_config)
         self._reader = self.table.journal.subscribe()  # what the workers learn each step
         self._sync_reserve()
